@@ -1,0 +1,384 @@
+"""``OptimizedDataModule``: Lightning's hooks, orchestration only.
+
+``prepare_data`` caches every split's static outputs once per node; ``setup`` opens the
+caches, asks :mod:`~lightning_fastdata.plan` where they go and places them; the
+``*_dataloader`` hooks return loaders from :mod:`~lightning_fastdata.loaders`;
+``on_after_batch_transfer`` runs the augmentation on the device with a generator seeded
+from (seed, rank, epoch, batch index).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_fastdata import distributed as D
+from lightning_fastdata.augment import BatchTransform
+from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, WorkerLoader, _Loader, _Transformed, place_fields
+from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
+from lightning_fastdata.seeding import derive_seed
+from lightning_fastdata.store import (
+    Store,
+    StoreError,
+    UnstorableSampleError,
+    build_store,
+    fingerprint,
+    open_store,
+    store_dir,
+)
+
+Split = Literal["train", "val", "test", "predict"]
+_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+_AUTO = "auto"
+
+
+def default_cache_dir() -> str:
+    """``$LIGHTNING_FASTDATA_CACHE``, else ``~/.cache/lightning_fastdata``."""
+    return os.environ.get("LIGHTNING_FASTDATA_CACHE", str(Path.home() / ".cache" / "lightning_fastdata"))
+
+
+def _check_auto_int(name: str, value: Any, minimum: int) -> None:
+    if value == _AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be 'auto' or an int >= {minimum}, got {value!r}")
+
+
+def _check_auto_bool(name: str, value: Any) -> None:
+    if value != _AUTO and not isinstance(value, bool):
+        raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+
+
+class OptimizedDataModule(L.LightningDataModule):
+    """A LightningDataModule that caches static preprocessing and keeps the device fed.
+
+    Subclasses implement :meth:`source` (and usually :meth:`static_transform`).
+
+    Args:
+        batch_size: Training batch size per rank.
+        eval_batch_size: Batch size for val/test/predict (default: ``batch_size``).
+        strategy: "auto" (decided by the plan), "device" (whole store on the device),
+            "chunked" (streamed to the device) or "workers" (DataLoader workers).
+        vram_fraction: Share of the device's total memory the store may take, in (0, 1].
+        cache_dir: Where caches live (default :func:`default_cache_dir`).
+        cache_key: Extra key mixed into the cache fingerprint; change it to force a rebuild.
+        shared_memory: Node-local shared memory for host-resident stores: "auto", "on", "off".
+        num_workers: DataLoader workers ("auto" or an int >= 0).
+        pin_memory: Pinned host batches ("auto", True, False).
+        prefetch_factor: Batches in flight per worker ("auto" or an int >= 1).
+        persistent_workers: Keep workers across epochs ("auto", True, False).
+        shuffle: Shuffle the training split every epoch.
+        drop_last: Drop the last partial training batch (and truncate rank shards).
+        seed: Base seed of the sample order and of the augmentation streams.
+        train_augment: Batched on-device transform for training batches.
+        eval_augment: Batched on-device transform for val/test/predict batches.
+        augment_field: Which field the augmentation applies to, by name ("0", "image"):
+            default the sample's first leaf.
+        store: Cache static outputs in a store (False: per-sample loading in workers).
+        device: Device to place stores on (default: the Trainer's root device).
+        progress: Show progress bars while caching.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 256,
+        eval_batch_size: int | None = None,
+        strategy: Literal["auto", "device", "chunked", "workers"] = "auto",
+        vram_fraction: float = 0.6,
+        cache_dir: str | None = None,
+        cache_key: str | None = None,
+        shared_memory: Literal["auto", "on", "off"] = "auto",
+        num_workers: int | Literal["auto"] = "auto",
+        pin_memory: bool | Literal["auto"] = "auto",
+        prefetch_factor: int | Literal["auto"] = "auto",
+        persistent_workers: bool | Literal["auto"] = "auto",
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        train_augment: BatchTransform | None = None,
+        eval_augment: BatchTransform | None = None,
+        augment_field: str | None = None,
+        store: bool = True,
+        device: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be an int > 0, got {batch_size!r}")
+        if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size <= 0):
+            raise ValueError(f"eval_batch_size must be an int > 0 or None, got {eval_batch_size!r}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if not isinstance(vram_fraction, (int, float)) or not 0.0 < vram_fraction <= 1.0:
+            raise ValueError(f"vram_fraction must be in (0, 1], got {vram_fraction!r}; 0.6 keeps 40% for the model")
+        if shared_memory not in ("auto", "on", "off"):
+            raise ValueError(f"shared_memory must be 'auto', 'on' or 'off', got {shared_memory!r}")
+        _check_auto_int("num_workers", num_workers, 0)
+        _check_auto_int("prefetch_factor", prefetch_factor, 1)
+        _check_auto_bool("pin_memory", pin_memory)
+        _check_auto_bool("persistent_workers", persistent_workers)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        for name, aug in (("train_augment", train_augment), ("eval_augment", eval_augment)):
+            if aug is not None and not callable(aug):
+                raise TypeError(f"{name} must be a callable transform (see lightning_fastdata.augment), "
+                                f"got {type(aug).__name__}")
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.strategy = strategy
+        self.vram_fraction = float(vram_fraction)
+        self.cache_dir = cache_dir or default_cache_dir()
+        self.cache_key = cache_key
+        self.shared_memory = shared_memory
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.train_augment = train_augment
+        self.eval_augment = eval_augment
+        self.augment_field = augment_field
+        self.use_store = store
+        self.device = device
+        self.progress = progress
+        self.plan: Plan | None = None
+        self.stores: dict[str, Store] = {}
+        self._raw: dict[str, Any] = {}
+        self._placed: dict[str, list[torch.Tensor]] = {}
+        self._loaders: dict[str, _Loader] = {}
+
+    # ------------------------------------------------------------------ user hooks
+
+    def source(self, split: str) -> Any:
+        """Return the map-style dataset of ``split`` ("train", "val", "test", "predict"), or None."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement source(split) returning a Dataset (or None to skip a split)"
+        )
+
+    def static_transform(self, sample: Any) -> Any:
+        """Deterministic per-sample preprocessing whose output is cached (identity by default)."""
+        return sample
+
+    # ------------------------------------------------------------------ building and placing
+
+    def _sources(self, splits: tuple[str, ...]) -> dict[str, Any]:
+        out = {}
+        for split in splits:
+            src = self.source(split)
+            if src is not None:
+                out[split] = src
+        return out
+
+    def _store_for(self, split: str, src: Any) -> Store | None:
+        """Build or open the split's store; ``None`` when its samples cannot be stored."""
+        if not self.use_store:
+            return None
+        try:
+            return build_store(src, self.static_transform, self.cache_dir, name=split,
+                               cache_key=self.cache_key, progress=self.progress and D.local_rank() == 0)
+        except UnstorableSampleError as e:
+            rank_zero_warn(f"lightning_fastdata: the '{split}' split cannot be stored ({e}); "
+                           "loading it per sample in DataLoader workers instead")
+            return None
+
+    def prepare_data(self) -> None:
+        """Cache every split's static outputs (Lightning runs this once per node)."""
+        for split, src in self._sources(("train", "val", "test", "predict")).items():
+            self._store_for(split, src)
+
+    def _open(self, split: str, src: Any) -> Store | None:
+        if not self.use_store:
+            return None
+        try:
+            fp = fingerprint(src, self.static_transform, self.cache_key)[0]
+            return open_store(store_dir(self.cache_dir, split, fp), verify=False, expect_fingerprint=fp)
+        except UnstorableSampleError:
+            return None
+        except (FileNotFoundError, RuntimeError):
+            # Not built yet (setup without prepare_data) or invalid: build it; concurrent
+            # builders are safe (unique temporaries, atomic rename).
+            return self._store_for(split, src)
+
+    def target_device(self) -> torch.device:
+        """Where batches are consumed: ``device`` if given, else the Trainer's root device."""
+        if self.device is not None:
+            return torch.device(self.device)
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.strategy.root_device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.global_rank, trainer.world_size
+        return D.rank(), D.world_size()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the caches of the stage's splits, make the plan, and place the stores."""
+        splits = _STAGE_SPLITS.get(stage or "fit", ("train", "val", "test", "predict"))
+        if stage is None:
+            splits = ("train", "val", "test", "predict")
+        for split, src in self._sources(splits).items():
+            if split in self.stores or split in self._raw:
+                continue
+            store = self._open(split, src)
+            if store is None:
+                self._raw[split] = src
+            else:
+                self.stores[split] = store
+        device = self.target_device()
+        resources = probe_resources(device, local_world_size=D.local_world_size())
+        nbytes = None if self._raw else sum(s.nbytes for s in self.stores.values())
+        self.plan = decide(nbytes, resources, {
+            "strategy": self.strategy, "vram_fraction": self.vram_fraction,
+            "num_workers": self.num_workers, "pin_memory": self.pin_memory,
+            "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
+        })
+        rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
+        if self.plan.strategy == "device":
+            for split, store in self.stores.items():
+                if split not in self._placed:
+                    self._placed[split] = place_fields(store, device)
+
+    def teardown(self, stage: str | None = None) -> None:
+        """Release device copies and loaders of the stage's splits."""
+        for split in _STAGE_SPLITS.get(stage or "fit", ()):
+            self._placed.pop(split, None)
+            self._loaders.pop(split, None)
+
+    # ------------------------------------------------------------------ loaders
+
+    def _make_loader(self, split: str) -> _Loader | list:
+        if self.plan is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before {split}_dataloader()")
+        if split not in self.stores and split not in self._raw:
+            return []
+        rank, world = self._rank_world()
+        train = split == "train"
+        n = len(self.stores[split]) if split in self.stores else len(self._raw[split])
+        order = ShardedOrder(n, self.batch_size if train else self.eval_batch_size,
+                             shuffle=self.shuffle and train, drop_last=self.drop_last and train,
+                             seed=self.seed, rank=rank, world_size=world)
+        if split in self._placed:
+            loader: _Loader = DeviceLoader(self._placed[split], self.stores[split].spec, order)
+        else:
+            p = self.plan
+            kwargs = dict(num_workers=p.num_workers, pin_memory=p.pin_memory, prefetch_factor=p.prefetch_factor,
+                          persistent_workers=p.persistent_workers, worker_init_fn=self._worker_init_fn())
+            if split in self.stores:
+                loader = WorkerLoader(order, store=self.stores[split], **kwargs)
+            else:
+                loader = WorkerLoader(order, dataset=_Transformed(self._raw[split], self.static_transform), **kwargs)
+        self._loaders[split] = loader
+        return loader
+
+    def _worker_init_fn(self) -> Any:
+        return None
+
+    def train_dataloader(self) -> Any:
+        """The training loader for the planned strategy."""
+        return self._make_loader("train")
+
+    def val_dataloader(self) -> Any:
+        """The validation loader (an empty list without a "val" source)."""
+        return self._make_loader("val")
+
+    def test_dataloader(self) -> Any:
+        """The test loader (an empty list without a "test" source)."""
+        return self._make_loader("test")
+
+    def predict_dataloader(self) -> Any:
+        """The predict loader (an empty list without a "predict" source)."""
+        return self._make_loader("predict")
+
+    # ------------------------------------------------------------------ augmentation
+
+    def _current_split(self) -> str:
+        trainer = self.trainer
+        if trainer is None or trainer.training:
+            return "train"
+        if trainer.testing:
+            return "test"
+        if trainer.predicting:
+            return "predict"
+        return "val"
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Apply ``train_augment``/``eval_augment`` on the device with a per-batch seeded generator."""
+        split = self._current_split()
+        loader = self._loaders.get(split)
+        key = loader.next_key() if loader is not None else None
+        augment = self.train_augment if split == "train" else self.eval_augment
+        if augment is None:
+            return batch
+        rank, _ = self._rank_world()
+        epoch, step = (key.epoch, key.index) if key is not None else (0, 0)
+        return self.augment_batch(batch, augment, split=split, rank=rank, epoch=epoch, step=step)
+
+    def augment_batch(self, batch: Any, augment: BatchTransform, split: str = "train", rank: int = 0,
+                      epoch: int = 0, step: int = 0) -> Any:
+        """Apply ``augment`` to the augmented field of ``batch`` with the generator of (seed, rank, epoch, step)."""
+        path = self.augment_field
+        x = _get_field(batch, path)
+        g = torch.Generator(device=x.device)
+        g.manual_seed(derive_seed(self.seed, stream=f"augment-{split}" if split != "train" else "augment",
+                                  rank=rank, epoch=epoch, step=step))
+        return _set_field(batch, path, augment(x, g))
+
+
+def _first_path(batch: Any) -> list[Any]:
+    path: list[Any] = []
+    node = batch
+    while isinstance(node, (tuple, list, dict)):
+        key = next(iter(node)) if isinstance(node, dict) else 0
+        path.append(key)
+        node = node[key]
+    return path
+
+
+def _split_path(batch: Any, path: str | None) -> list[Any]:
+    if path is None:
+        return _first_path(batch)
+    out: list[Any] = []
+    node = batch
+    for part in path.split("."):
+        key: Any = int(part) if isinstance(node, (tuple, list)) and part.isdigit() else part
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError) as e:
+            raise StoreError(f"augment_field={path!r} does not name a field of the batch") from e
+        out.append(key)
+    return out
+
+
+def _get_field(batch: Any, path: str | None) -> torch.Tensor:
+    node = batch
+    for key in _split_path(batch, path):
+        node = node[key]
+    if not isinstance(node, torch.Tensor):
+        raise StoreError(f"augment_field={path!r} is a {type(node).__name__}, not a tensor")
+    return node
+
+
+def _set_field(batch: Any, path: str | None, value: torch.Tensor) -> Any:
+    keys = _split_path(batch, path)
+
+    def put(node: Any, depth: int) -> Any:
+        if depth == len(keys):
+            return value
+        key = keys[depth]
+        if isinstance(node, dict):
+            return {**node, key: put(node[key], depth + 1)}
+        items = list(node)
+        items[key] = put(items[key], depth + 1)
+        return type(node)(items) if isinstance(node, tuple) else items
+
+    return put(batch, 0)

@@ -1,0 +1,82 @@
+"""Small datasets and models shared by the tests (imported by conftest and test modules)."""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from lightning_fastdata import OptimizedDataModule
+
+
+class CountingDataset(Dataset):
+    """``n`` deterministic uint8 images with int labels; counts ``__getitem__`` calls."""
+
+    def __init__(self, n: int = 64, shape: tuple[int, ...] = (3, 8, 8), classes: int = 4) -> None:
+        self.n, self.shape, self.classes = n, shape, classes
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        self.calls += 1
+        g = torch.Generator().manual_seed(1000 + i)
+        return torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=g), i % self.classes
+
+
+class TinyDataModule(OptimizedDataModule):
+    """An OptimizedDataModule over :class:`CountingDataset`; counts static_transform calls."""
+
+    def __init__(self, n: int = 64, shape: tuple[int, ...] = (3, 8, 8), val: bool = True, **kwargs) -> None:
+        kwargs.setdefault("progress", False)
+        super().__init__(**kwargs)
+        self.n, self.shape, self.val = n, shape, val
+        self.transform_calls = 0
+
+    def source(self, split: str):
+        if split == "train" or (split == "val" and self.val):
+            return CountingDataset(self.n, self.shape)
+        return None
+
+    def static_transform(self, sample):
+        self.transform_calls += 1
+        return sample
+
+
+class TinyModel(L.LightningModule):
+    """A linear classifier over flattened images; records the batches it saw when asked."""
+
+    def __init__(self, in_features: int = 3 * 8 * 8, classes: int = 4, record: bool = False) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(in_features, classes)
+        self.record = record
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.record:
+            self.seen.append((x.detach().clone(), y.detach().clone()))
+        return torch.nn.functional.cross_entropy(self.net(x.float().flatten(1)), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x.float().flatten(1)), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def trainer(tmp_path, **kwargs) -> L.Trainer:
+    """A quiet CPU Trainer rooted in ``tmp_path``."""
+    opts = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    opts.update(kwargs)
+    return L.Trainer(**opts)
+
+
+def as_numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)

@@ -1,0 +1,82 @@
+"""Shared fixtures; every test fails if it leaves a /dev/shm segment or a temporary file behind.
+
+The package's shared-memory names start with ``$LIGHTNING_FASTDATA_SHM_PREFIX``; this
+session sets a prefix of its own (and a private ``TMPDIR``) so that concurrent test
+sessions on one machine cannot be blamed for each other's files.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+SHM = Path("/dev/shm")
+os.environ.setdefault("LIGHTNING_FASTDATA_SHM_PREFIX", f"lfdt{os.getpid()}_")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+_TMP = Path(tempfile.mkdtemp(prefix=f"lfd-pytest-{os.getpid()}-"))
+os.environ["TMPDIR"] = str(_TMP)
+tempfile.tempdir = str(_TMP)
+# Child processes started by tests import the package from this checkout.
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
+def _shm() -> set[str]:
+    prefix = os.environ["LIGHTNING_FASTDATA_SHM_PREFIX"]
+    return {p.name for p in SHM.glob(f"{prefix}*")} if SHM.is_dir() else set()
+
+
+def _tmp() -> set[str]:
+    return {p.name for p in _TMP.iterdir() if not p.name.startswith("pytest-of-")}
+
+
+def _leftover_temporaries(root: Path) -> list[str]:
+    if not root.is_dir():
+        return []
+    return [str(p) for p in root.rglob(".tmp-*")]
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """Fail the test if it leaves shared-memory segments, TMPDIR files or cache temporaries."""
+    shm0, tmp0 = _shm(), _tmp()
+    yield
+    deadline = time.monotonic() + 5.0  # children may still be unwinding
+    while True:
+        shm, tmp = _shm() - shm0, _tmp() - tmp0
+        tmp_path = request.node.funcargs.get("tmp_path")
+        partial = _leftover_temporaries(tmp_path) if tmp_path is not None else []
+        if not (shm or tmp or partial) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    problems = []
+    if shm:
+        problems.append(f"/dev/shm segments left behind: {sorted(shm)}")
+    if tmp:
+        problems.append(f"temporary files left behind in {_TMP}: {sorted(tmp)}")
+    if partial:
+        problems.append(f"cache temporaries left behind: {partial}")
+    if problems:
+        for name in shm:
+            (SHM / name).unlink(missing_ok=True)
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def cache_dir(tmp_path) -> Path:
+    """A fresh cache directory."""
+    return tmp_path / "cache"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(_TMP, ignore_errors=True)
