@@ -207,8 +207,8 @@ def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
         plan.reasons["prefetch_factor"] = "None: no worker processes"
     else:
         plan.prefetch_factor = 2 if pf == "auto" else int(pf)
-        plan.reasons["prefetch_factor"] = (f"{plan.prefetch_factor}: " +
-                                           ("two batches in flight per worker" if pf == "auto" else "set by configuration"))
+        why = "two batches in flight per worker" if pf == "auto" else "set by configuration"
+        plan.reasons["prefetch_factor"] = f"{plan.prefetch_factor}: {why}"
     pw = config.get("persistent_workers", "auto")
     plan.persistent_workers = plan.num_workers > 0 if pw == "auto" else bool(pw) and plan.num_workers > 0
     plan.reasons["persistent_workers"] = (
