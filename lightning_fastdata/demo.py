@@ -46,8 +46,18 @@ from lightning_fastdata.callbacks import FastDataCallback
 from lightning_fastdata.datamodule import OptimizedDataModule
 from lightning_fastdata.profiler import DataWaitProfiler
 
-CLASSES = ("circle", "square", "triangle", "plus", "ring", "hstripes", "vstripes", "checker",
-           "diamond", "cross")
+CLASSES = (
+    "circle",
+    "square",
+    "triangle",
+    "plus",
+    "ring",
+    "hstripes",
+    "vstripes",
+    "checker",
+    "diamond",
+    "cross",
+)
 #: Per-channel mean and std of the generated images (measured on the full training split).
 MEAN = (0.460, 0.453, 0.456)
 STD = (0.304, 0.301, 0.304)
@@ -62,7 +72,9 @@ _TMP_PREFIX = ".tmp-"
 # --------------------------------------------------------------------------- the dataset
 
 
-def _colour(rng: np.random.Generator, hue: float) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def _colour(
+    rng: np.random.Generator, hue: float
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """A foreground colour near ``hue`` and a background that contrasts with it in brightness."""
     fg_v = rng.uniform(0.55, 1.0) if rng.random() < 0.5 else rng.uniform(0.25, 0.5)
     fg = colorsys.hsv_to_rgb(hue % 1.0, rng.uniform(0.55, 1.0), fg_v)
@@ -106,8 +118,11 @@ def draw_image(label: int, rng: np.random.Generator, size: int = IMAGE_SIZE) -> 
         x0, y0, x1, y1 = (round(v) for v in box)
         for y in range(y0, y1, period):
             for x in range(x0, x1, period):
-                on = {"hstripes": (y - y0) // period % 2 == 0, "vstripes": (x - x0) // period % 2 == 0,
-                      "checker": ((x - x0) // period + (y - y0) // period) % 2 == 0}[name]
+                on = {
+                    "hstripes": (y - y0) // period % 2 == 0,
+                    "vstripes": (x - x0) // period % 2 == 0,
+                    "checker": ((x - x0) // period + (y - y0) // period) % 2 == 0,
+                }[name]
                 if on:
                     d.rectangle((x, y, x + period - 1, y + period - 1), fill=fg)
     elif name == "diamond":
@@ -121,14 +136,24 @@ def draw_image(label: int, rng: np.random.Generator, size: int = IMAGE_SIZE) -> 
     return Image.fromarray(pixels)
 
 
-def dataset_dir(data_dir: str | os.PathLike, train_per_class: int, val_per_class: int, seed: int = 0) -> Path:
+def dataset_dir(
+    data_dir: str | os.PathLike, train_per_class: int, val_per_class: int, seed: int = 0
+) -> Path:
     """Where the dataset of these sizes lives under ``data_dir`` (one folder per size and seed)."""
-    return Path(data_dir) / f"shapes32-v{DATASET_VERSION}-{train_per_class}x{val_per_class}-seed{seed}"
+    return (
+        Path(data_dir) / f"shapes32-v{DATASET_VERSION}-{train_per_class}x{val_per_class}-seed{seed}"
+    )
 
 
 def _expected(train_per_class: int, val_per_class: int, seed: int) -> dict[str, Any]:
-    return {"version": DATASET_VERSION, "classes": list(CLASSES), "image_size": IMAGE_SIZE,
-            "train_per_class": train_per_class, "val_per_class": val_per_class, "seed": seed}
+    return {
+        "version": DATASET_VERSION,
+        "classes": list(CLASSES),
+        "image_size": IMAGE_SIZE,
+        "train_per_class": train_per_class,
+        "val_per_class": val_per_class,
+        "seed": seed,
+    }
 
 
 def is_complete(path: Path, train_per_class: int, val_per_class: int, seed: int = 0) -> bool:
@@ -168,8 +193,13 @@ def _sweep(data_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def make_dataset(data_dir: str | os.PathLike = "demo_data", train_per_class: int = SIZES["full"][0],
-                 val_per_class: int = SIZES["full"][1], seed: int = 0, verbose: bool = False) -> Path:
+def make_dataset(
+    data_dir: str | os.PathLike = "demo_data",
+    train_per_class: int = SIZES["full"][0],
+    val_per_class: int = SIZES["full"][1],
+    seed: int = 0,
+    verbose: bool = False,
+) -> Path:
     """Write the demo dataset as PNG files in an ImageFolder layout, once; return its folder.
 
     The files are written into a temporary folder next to the final one and published by
@@ -203,14 +233,20 @@ def make_dataset(data_dir: str | os.PathLike = "demo_data", train_per_class: int
     if verbose:
         print(f"writing the demo dataset ({n} PNG files) to {final} ...", flush=True)
     try:
-        for split_id, (split, per_class) in enumerate((("train", train_per_class), ("val", val_per_class))):
+        for split_id, (split, per_class) in enumerate(
+            (("train", train_per_class), ("val", val_per_class))
+        ):
             for label, name in enumerate(CLASSES):
                 folder = tmp / split / name
                 folder.mkdir(parents=True)
                 for i in range(per_class):
                     rng = np.random.default_rng([seed, split_id, label, i])
-                    draw_image(label, rng).save(folder / f"{i:05d}.png", optimize=False, compress_level=1)
-        (tmp / _MARKER).write_text(json.dumps(_expected(train_per_class, val_per_class, seed), indent=1))
+                    draw_image(label, rng).save(
+                        folder / f"{i:05d}.png", optimize=False, compress_level=1
+                    )
+        (tmp / _MARKER).write_text(
+            json.dumps(_expected(train_per_class, val_per_class, seed), indent=1)
+        )
         try:
             os.rename(tmp, final)
         except OSError:
@@ -243,22 +279,34 @@ class DemoImages(OptimizedDataModule):
             (``train_augment``, ``eval_augment``, ``cache_dir``, ``strategy``, ...).
     """
 
-    def __init__(self, root: str = "demo_data", train_per_class: int = SIZES["full"][0],
-                 val_per_class: int = SIZES["full"][1], data_seed: int = 0, batch_size: int = 128,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        root: str = "demo_data",
+        train_per_class: int = SIZES["full"][0],
+        val_per_class: int = SIZES["full"][1],
+        data_seed: int = 0,
+        batch_size: int = 128,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(batch_size=batch_size, **kwargs)
         for name, value in (("train_per_class", train_per_class), ("val_per_class", val_per_class)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.root = root
-        self.train_per_class, self.val_per_class, self.data_seed = train_per_class, val_per_class, data_seed
+        self.train_per_class, self.val_per_class, self.data_seed = (
+            train_per_class,
+            val_per_class,
+            data_seed,
+        )
 
     def dataset_path(self) -> Path:
         """The dataset folder, generated first if missing or incomplete."""
-        return make_dataset(self.root, self.train_per_class, self.val_per_class, self.data_seed, verbose=True)
+        return make_dataset(
+            self.root, self.train_per_class, self.val_per_class, self.data_seed, verbose=True
+        )
 
     def source(self, split: str) -> Any:
-        """ImageFolder over the ``train`` or ``val`` folder; the demo has no test or predict split."""
+        """ImageFolder over the ``train`` or ``val`` folder; no test or predict split."""
         from torchvision.datasets import ImageFolder
 
         if split not in ("train", "val"):
@@ -285,16 +333,28 @@ class DemoCNN(L.LightningModule):
     def __init__(self, num_classes: int = len(CLASSES), width: int = 16, lr: float = 3e-3) -> None:
         super().__init__()
         if width < 1 or num_classes < 2 or lr <= 0:
-            raise ValueError(f"need width >= 1, num_classes >= 2, lr > 0; got {width}, {num_classes}, {lr}")
+            raise ValueError(
+                f"need width >= 1, num_classes >= 2, lr > 0; got {width}, {num_classes}, {lr}"
+            )
         self.save_hyperparameters()
 
         def block(cin: int, cout: int) -> nn.Sequential:
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                                 nn.ReLU(inplace=True))
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+            )
 
-        self.net = nn.Sequential(block(3, width), nn.MaxPool2d(2), block(width, 2 * width), nn.MaxPool2d(2),
-                                 block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                 nn.Linear(4 * width, num_classes))
+        self.net = nn.Sequential(
+            block(3, width),
+            nn.MaxPool2d(2),
+            block(width, 2 * width),
+            nn.MaxPool2d(2),
+            block(2 * width, 4 * width),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4 * width, num_classes),
+        )
         self.lr = lr
         self.val_acc: float = float("nan")
         self._correct = self._seen = 0
@@ -331,33 +391,61 @@ class DemoCNN(L.LightningModule):
 
 def train_augment() -> A.Compose:
     """The fastdata run's batched training augmentation (the plain run's, per batch)."""
-    return A.Compose([A.RandomCrop(IMAGE_SIZE, padding=4), A.RandomHorizontalFlip(), A.Normalize(MEAN, STD)])
+    return A.Compose(
+        [A.RandomCrop(IMAGE_SIZE, padding=4), A.RandomHorizontalFlip(), A.Normalize(MEAN, STD)]
+    )
 
 
 def _trainer(epochs: int, profiler: DataWaitProfiler, root: Path) -> L.Trainer:
-    return L.Trainer(max_epochs=epochs, accelerator="auto", devices=1, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, callbacks=[profiler], default_root_dir=str(root))
+    return L.Trainer(
+        max_epochs=epochs,
+        accelerator="auto",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[profiler],
+        default_root_dir=str(root),
+    )
 
 
-def _result(name: str, profiler: DataWaitProfiler, model: DemoCNN, epochs: int, setup_s: float,
-            fit_s: float) -> dict[str, Any]:
+def _result(
+    name: str, profiler: DataWaitProfiler, model: DemoCNN, epochs: int, setup_s: float, fit_s: float
+) -> dict[str, Any]:
     rep = profiler.report()
     per_epoch = rep["samples"] / max(epochs, 1)
     epoch_s = rep["epoch_time_s"]
-    return {"name": name, "epoch_time_s": epoch_s, "samples_per_s": per_epoch / epoch_s if epoch_s else 0.0,
-            "data_wait_frac": rep["data_wait_frac"], "val_acc": model.val_acc, "steps": rep["steps"],
-            "samples": rep["samples"], "setup_s": setup_s, "fit_s": fit_s}
+    return {
+        "name": name,
+        "epoch_time_s": epoch_s,
+        "samples_per_s": per_epoch / epoch_s if epoch_s else 0.0,
+        "data_wait_frac": rep["data_wait_frac"],
+        "val_acc": model.val_acc,
+        "steps": rep["steps"],
+        "samples": rep["samples"],
+        "setup_s": setup_s,
+        "fit_s": fit_s,
+    }
 
 
 def default_num_workers() -> int:
     """The usual choice: ``min(4, cores)``."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return min(4, cores)
 
 
-def run_plain(path: Path, epochs: int, batch_size: int, seed: int, work_dir: Path,
-              num_workers: int | None = None) -> dict[str, Any]:
+def run_plain(
+    path: Path,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    work_dir: Path,
+    num_workers: int | None = None,
+) -> dict[str, Any]:
     """Train with ImageFolder + per-sample torchvision transforms + a DataLoader with workers."""
     from torch.utils.data import DataLoader
     from torchvision.datasets import ImageFolder
@@ -370,28 +458,57 @@ def run_plain(path: Path, epochs: int, batch_size: int, seed: int, work_dir: Pat
     L.seed_everything(seed, workers=True, verbose=False)
     pin = torch.cuda.is_available()
     common = dict(num_workers=nw, pin_memory=pin, persistent_workers=nw > 0)
-    train = DataLoader(ImageFolder(str(path / "train"), transform=train_tf), batch_size=batch_size,
-                       shuffle=True, **common)
-    val = DataLoader(ImageFolder(str(path / "val"), transform=T.Compose(to_float)), batch_size=batch_size,
-                     shuffle=False, **common)
+    train = DataLoader(
+        ImageFolder(str(path / "train"), transform=train_tf),
+        batch_size=batch_size,
+        shuffle=True,
+        **common,
+    )
+    val = DataLoader(
+        ImageFolder(str(path / "val"), transform=T.Compose(to_float)),
+        batch_size=batch_size,
+        shuffle=False,
+        **common,
+    )
     model = DemoCNN()
     profiler = DataWaitProfiler()
     trainer = _trainer(epochs, profiler, work_dir)
     setup_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     trainer.fit(model, train, val)
-    return _result(f"plain DataLoader ({nw} workers)", profiler, model, epochs, setup_s,
-                   time.perf_counter() - t1)
+    return _result(
+        f"plain DataLoader ({nw} workers)",
+        profiler,
+        model,
+        epochs,
+        setup_s,
+        time.perf_counter() - t1,
+    )
 
 
-def run_fastdata(path_root: str, sizes: tuple[int, int], epochs: int, batch_size: int, seed: int,
-                 cache_dir: str, work_dir: Path) -> dict[str, Any]:
+def run_fastdata(
+    path_root: str,
+    sizes: tuple[int, int],
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    cache_dir: str,
+    work_dir: Path,
+) -> dict[str, Any]:
     """Train with :class:`DemoImages` (cached uint8 store, batched on-device augmentation)."""
     t0 = time.perf_counter()
     L.seed_everything(seed, workers=True, verbose=False)
-    dm = DemoImages(root=path_root, train_per_class=sizes[0], val_per_class=sizes[1], batch_size=batch_size,
-                    cache_dir=cache_dir, seed=seed, progress=False, train_augment=train_augment(),
-                    eval_augment=A.Normalize(MEAN, STD))
+    dm = DemoImages(
+        root=path_root,
+        train_per_class=sizes[0],
+        val_per_class=sizes[1],
+        batch_size=batch_size,
+        cache_dir=cache_dir,
+        seed=seed,
+        progress=False,
+        train_augment=train_augment(),
+        eval_augment=A.Normalize(MEAN, STD),
+    )
     model = DemoCNN()
     callback = FastDataCallback()
     trainer = _trainer(epochs, callback, work_dir)
@@ -401,7 +518,9 @@ def run_fastdata(path_root: str, sizes: tuple[int, int], epochs: int, batch_size
     t1 = time.perf_counter()
     trainer.fit(model, datamodule=dm)
     strategy = dm.plan.strategy if dm.plan is not None else "?"
-    return _result(f"fastdata ({strategy})", callback, model, epochs, setup_s, time.perf_counter() - t1)
+    return _result(
+        f"fastdata ({strategy})", callback, model, epochs, setup_s, time.perf_counter() - t1
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -415,18 +534,51 @@ def format_table(plain: dict[str, Any], fast: dict[str, Any], epochs: int) -> st
 
     rows = [
         ("", "plain", "fastdata", "speed-up"),
-        ("epoch time (last, train+val)", f"{plain['epoch_time_s']:.2f} s", f"{fast['epoch_time_s']:.2f} s",
-         ratio(plain["epoch_time_s"], fast["epoch_time_s"])),
-        ("samples/s (train)", f"{plain['samples_per_s']:,.0f}", f"{fast['samples_per_s']:,.0f}",
-         ratio(fast["samples_per_s"], plain["samples_per_s"])),
-        ("step time waiting for data", f"{plain['data_wait_frac']:.1%}", f"{fast['data_wait_frac']:.1%}", ""),
-        (f"val accuracy after {epochs} epochs", f"{plain['val_acc']:.1%}", f"{fast['val_acc']:.1%}", ""),
-        ("setup before fit (cache build)", f"{plain['setup_s']:.2f} s", f"{fast['setup_s']:.2f} s", ""),
-        ("whole fit", f"{plain['fit_s']:.2f} s", f"{fast['fit_s']:.2f} s", ratio(plain["fit_s"], fast["fit_s"])),
+        (
+            "epoch time (last, train+val)",
+            f"{plain['epoch_time_s']:.2f} s",
+            f"{fast['epoch_time_s']:.2f} s",
+            ratio(plain["epoch_time_s"], fast["epoch_time_s"]),
+        ),
+        (
+            "samples/s (train)",
+            f"{plain['samples_per_s']:,.0f}",
+            f"{fast['samples_per_s']:,.0f}",
+            ratio(fast["samples_per_s"], plain["samples_per_s"]),
+        ),
+        (
+            "step time waiting for data",
+            f"{plain['data_wait_frac']:.1%}",
+            f"{fast['data_wait_frac']:.1%}",
+            "",
+        ),
+        (
+            f"val accuracy after {epochs} epochs",
+            f"{plain['val_acc']:.1%}",
+            f"{fast['val_acc']:.1%}",
+            "",
+        ),
+        (
+            "setup before fit (cache build)",
+            f"{plain['setup_s']:.2f} s",
+            f"{fast['setup_s']:.2f} s",
+            "",
+        ),
+        (
+            "whole fit",
+            f"{plain['fit_s']:.2f} s",
+            f"{fast['fit_s']:.2f} s",
+            ratio(plain["fit_s"], fast["fit_s"]),
+        ),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join([f"plain:    {plain['name']}", f"fastdata: {fast['name']}", "", *lines])
 
@@ -442,14 +594,29 @@ def _quiet() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: see ``python -m lightning_fastdata.demo --help``."""
-    p = argparse.ArgumentParser(prog="python -m lightning_fastdata.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--data-dir", default="demo_data", help="where the PNG dataset is written (default %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_fastdata.demo", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--data-dir",
+        default="demo_data",
+        help="where the PNG dataset is written (default %(default)s)",
+    )
     p.add_argument("--cache-dir", default=None, help="fastdata cache (default <data-dir>/cache)")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch size (default 128, 32 with --quick)")
-    p.add_argument("--num-workers", type=int, default=None, help="plain DataLoader workers (default min(4, cores))")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="batch size (default 128, 32 with --quick)"
+    )
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="plain DataLoader workers (default min(4, cores))",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of both runs (default %(default)s)")
-    p.add_argument("--quick", action="store_true", help=f"tiny dataset {SIZES['quick']} per class, for tests")
+    p.add_argument(
+        "--quick", action="store_true", help=f"tiny dataset {SIZES['quick']} per class, for tests"
+    )
     p.add_argument("--json-out", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     if args.epochs < 1:
@@ -464,18 +631,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_dir = Path(args.data_dir)
     path = make_dataset(args.data_dir, *sizes, verbose=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"training DemoCNN for {args.epochs} epochs on {10 * sizes[0]} images ({device}, "
-          f"torch threads {torch.get_num_threads()}), validating on {10 * sizes[1]}", flush=True)
+    print(
+        f"training DemoCNN for {args.epochs} epochs on {10 * sizes[0]} images ({device}, "
+        f"torch threads {torch.get_num_threads()}), validating on {10 * sizes[1]}",
+        flush=True,
+    )
     print("run 1/2: plain DataLoader ...", flush=True)
     plain = run_plain(path, args.epochs, args.batch_size, args.seed, work_dir, args.num_workers)
     print("run 2/2: fastdata ...", flush=True)
-    fast = run_fastdata(args.data_dir, sizes, args.epochs, args.batch_size, args.seed, cache_dir, work_dir)
+    fast = run_fastdata(
+        args.data_dir, sizes, args.epochs, args.batch_size, args.seed, cache_dir, work_dir
+    )
     print()
     print(format_table(plain, fast, args.epochs))
     if args.json_out:
-        out = {"plain": plain, "fastdata": fast, "epochs": args.epochs, "batch_size": args.batch_size,
-               "train_images": 10 * sizes[0], "val_images": 10 * sizes[1], "device": device,
-               "speedup_epoch_time": plain["epoch_time_s"] / fast["epoch_time_s"] if fast["epoch_time_s"] else None}
+        out = {
+            "plain": plain,
+            "fastdata": fast,
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "train_images": 10 * sizes[0],
+            "val_images": 10 * sizes[1],
+            "device": device,
+            "speedup_epoch_time": plain["epoch_time_s"] / fast["epoch_time_s"]
+            if fast["epoch_time_s"]
+            else None,
+        }
         Path(args.json_out).write_text(json.dumps(out, indent=1))
     return 0
 
