@@ -223,6 +223,8 @@ def make_dataset(
     parent.mkdir(parents=True, exist_ok=True)
     _sweep(parent)
     if final.exists():
+        if is_complete(final, train_per_class, val_per_class, seed):
+            return final  # another process published it since the first check
         # Incomplete or from another version: move it aside first (atomic), then delete.
         stale = parent / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.rename(final, stale)
