@@ -432,12 +432,15 @@ def _result(
     }
 
 
-def default_num_workers() -> int:
-    """The usual choice: ``min(4, cores)``."""
-    cores = (
+def _cores() -> int:
+    return (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     )
-    return min(4, cores)
+
+
+def default_num_workers() -> int:
+    """The usual choice: ``min(4, cores)``."""
+    return min(4, _cores())
 
 
 def run_plain(
@@ -646,6 +649,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print()
     print(format_table(plain, fast, args.epochs))
+    print(
+        "\nwaiting for data: share of the training steps' wall time spent between the end of one"
+        "\nstep and the start of the next (fetch, host-to-device copy, augmentation launch)."
+    )
+    if device == "cpu":
+        print(
+            f"cpu run: the model's compute shares {_cores()} cores with the plain run's worker "
+            "processes."
+        )
     if args.json_out:
         out = {
             "plain": plain,
