@@ -332,7 +332,7 @@ class DemoCNN(L.LightningModule):
         lr: Adam learning rate.
     """
 
-    def __init__(self, num_classes: int = len(CLASSES), width: int = 16, lr: float = 3e-3) -> None:
+    def __init__(self, num_classes: int = len(CLASSES), width: int = 8, lr: float = 3e-3) -> None:
         super().__init__()
         if width < 1 or num_classes < 2 or lr <= 0:
             raise ValueError(
