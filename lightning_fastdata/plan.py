@@ -16,6 +16,10 @@ import psutil
 import torch
 
 STRATEGIES = ("auto", "device", "chunked", "workers")
+#: Placement levels, most device memory first; a failed placement falls back one level.
+LEVELS = {"workers": 0, "chunked": 1, "device": 2}
+#: Largest chunk buffer the plan chooses.
+CHUNK_CAP_BYTES = 256 << 20
 #: Free device memory kept back for the model, activations and the allocator.
 VRAM_MARGIN_BYTES = 1 << 30
 
@@ -83,7 +87,9 @@ class Plan:
         strategy: "device", "chunked" or "workers".
         num_workers, pin_memory, prefetch_factor, persistent_workers: Loader settings
             (used by the ``workers`` strategy).
-        chunk_bytes: Per-buffer size of the ``chunked`` strategy (0 otherwise).
+        chunk_bytes: Per-buffer size of the ``chunked`` strategy (also kept by a
+            ``device`` plan for its fallback).
+        chunk_mode: ``global`` or ``block`` (see :class:`~lightning_fastdata.loaders.ChunkedLoader`).
         store_nbytes: Size of the store the plan is for.
         reasons: One sentence per decision, with its numbers.
         resources: The snapshot the plan was made from.
@@ -95,6 +101,7 @@ class Plan:
     prefetch_factor: int | None = None
     persistent_workers: bool = False
     chunk_bytes: int = 0
+    chunk_mode: str = "global"
     store_nbytes: int = 0
     reasons: dict[str, str] = field(default_factory=dict)
     resources: Resources | None = None
@@ -126,54 +133,138 @@ def _budget(resources: Resources, vram_fraction: float) -> tuple[int, str]:
     return min(by_fraction, by_free), why
 
 
+def _chunk_mode(store_nbytes: int, resources: Resources) -> str:
+    """``global`` (exact device-loader order) unless the store exceeds the RAM available now."""
+    return "block" if store_nbytes > resources.ram_available else "global"
+
+
+def _chunk_mode_reason(mode: str, store_nbytes: int, resources: Resources) -> str:
+    if mode == "block":
+        return (f"block: store {fmt_bytes(store_nbytes)} exceeds the {fmt_bytes(resources.ram_available)} "
+                "of RAM available; contiguous blocks in shuffled order, shuffled within a window")
+    return (f"global: store {fmt_bytes(store_nbytes)} within the {fmt_bytes(resources.ram_available)} of RAM "
+            "available; chunks follow the epoch's permutation (same batches as the device strategy)")
+
+
+def _chunk_bytes(store_nbytes: int, budget: int) -> int:
+    """Size of one chunk buffer: four must fit the budget (two for training, two for evaluation)."""
+    # Beyond a few hundred MB a bigger chunk buys no more overlap, only a longer first wait.
+    return max(0, min(CHUNK_CAP_BYTES, budget // 4, store_nbytes))
+
+
 def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any]) -> Plan:
     """Choose the strategy and loader parameters.
+
+    ``device`` when the store fits the budget (``vram_fraction`` of the device's total
+    memory, bounded by its free memory less a margin); ``chunked`` when it does not but
+    two chunk buffers of at least one batch do; ``workers`` otherwise, and whenever the
+    samples cannot be stored.
 
     Args:
         store_nbytes: Size of the store, or ``None`` when samples cannot be stored
             (then only the ``workers`` strategy over the raw source is possible).
         resources: The snapshot to decide from.
         config: The user's settings: ``strategy``, ``vram_fraction``, ``num_workers``,
-            ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` ("auto" or a value).
+            ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` ("auto" or a value),
+            and ``batch_nbytes`` (bytes of the largest batch; a chunk must hold one).
 
     Raises:
         PlanError: when a forced strategy cannot work, with the numbers and the fix.
     """
     strategy = config.get("strategy", "auto")
+    if strategy not in STRATEGIES:
+        raise PlanError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     fraction = float(config.get("vram_fraction", 0.6))
+    batch_nbytes = int(config.get("batch_nbytes", 0) or 0)
     reasons: dict[str, str] = {}
     budget, why = _budget(resources, fraction)
+    chunk = 0
     if store_nbytes is None:
         if strategy not in ("auto", "workers"):
             raise PlanError(f"strategy={strategy!r} needs a stored dataset, but the samples cannot be "
                             "stored; use strategy='workers' or make static_transform return arrays")
         chosen = "workers"
         reasons["strategy"] = "samples cannot be stored: per-sample loading in DataLoader workers"
-    elif strategy == "auto":
-        if store_nbytes <= budget:
+    else:
+        store = fmt_bytes(store_nbytes)
+        chunk = _chunk_bytes(store_nbytes, budget)
+        chunk_fits = chunk > 0 and chunk >= batch_nbytes
+        chunk_why = (f"4 chunk buffers of {fmt_bytes(chunk)} (2 for training, 2 for evaluation) "
+                     f"within the budget {fmt_bytes(budget)}, one batch = {fmt_bytes(batch_nbytes)}")
+        if strategy == "auto":
+            if store_nbytes <= budget:
+                chosen = "device"
+                reasons["strategy"] = f"store {store} fits the budget {fmt_bytes(budget)} ({why})"
+            elif chunk_fits:
+                chosen = "chunked"
+                reasons["strategy"] = (f"store {store} exceeds the budget {fmt_bytes(budget)} ({why}): "
+                                       f"streamed from host memory in chunks, {chunk_why}")
+            else:
+                chosen = "workers"
+                reasons["strategy"] = (f"store {store} exceeds the budget {fmt_bytes(budget)} ({why}) and "
+                                       f"a chunk of {fmt_bytes(chunk)} cannot hold one batch of "
+                                       f"{fmt_bytes(batch_nbytes)}: loading in DataLoader workers")
+        elif strategy == "device":
+            if store_nbytes > budget:
+                raise PlanError(
+                    f"strategy='device' needs {store} on the device, the budget is "
+                    f"{fmt_bytes(budget)} ({why}); raise vram_fraction, or use strategy='auto' "
+                    "(which streams it in chunks)"
+                )
             chosen = "device"
-            reasons["strategy"] = f"store {fmt_bytes(store_nbytes)} fits the budget {fmt_bytes(budget)} ({why})"
+            reasons["strategy"] = f"forced; store {store} within the budget {fmt_bytes(budget)} ({why})"
+        elif strategy == "chunked":
+            if not chunk_fits:
+                raise PlanError(
+                    f"strategy='chunked' needs two device buffers of at least one batch "
+                    f"(2 x {fmt_bytes(batch_nbytes)}) for training and two for evaluation, but a chunk "
+                    f"buffer can only get {fmt_bytes(chunk)} (a quarter of the budget "
+                    f"{fmt_bytes(budget)}: {why}); lower batch_size, raise vram_fraction, "
+                    "or use strategy='workers'"
+                )
+            chosen = "chunked"
+            reasons["strategy"] = f"forced; store {store} streamed in chunks, {chunk_why}"
         else:
             chosen = "workers"
-            reasons["strategy"] = (f"store {fmt_bytes(store_nbytes)} exceeds the budget "
-                                   f"{fmt_bytes(budget)} ({why}): loading from host memory")
-    elif strategy == "device":
-        if store_nbytes > budget:
-            raise PlanError(
-                f"strategy='device' needs {fmt_bytes(store_nbytes)} on the device, the budget is "
-                f"{fmt_bytes(budget)} ({why}); raise vram_fraction, or use strategy='auto'"
-            )
-        chosen = "device"
-        reasons["strategy"] = f"forced; store {fmt_bytes(store_nbytes)} within budget {fmt_bytes(budget)}"
-    elif strategy in ("workers", "chunked"):
-        chosen = strategy
-        reasons["strategy"] = "forced by configuration"
-    else:
-        raise PlanError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            reasons["strategy"] = "forced by configuration"
 
     plan = Plan(chosen, store_nbytes=store_nbytes or 0, reasons=reasons, resources=resources)
+    if store_nbytes is not None:
+        # Kept for a fallback to ``chunked`` even when the plan is ``device``.
+        plan.chunk_bytes = chunk
+        plan.chunk_mode = _chunk_mode(store_nbytes, resources)
+    if chosen == "chunked":
+        reasons["chunk_bytes"] = f"{fmt_bytes(chunk)} per buffer: {chunk_why}"
+        reasons["chunk_mode"] = _chunk_mode_reason(plan.chunk_mode, store_nbytes, resources)
     _loader_params(plan, resources, config)
     return plan
+
+
+def fall_back(plan: Plan, strategy: str, reason: str, config: dict[str, Any]) -> Plan:
+    """The plan one level down (``device`` -> ``chunked`` -> ``workers``) after a placement failure.
+
+    Args:
+        plan: The plan that could not be placed.
+        strategy: The level all ranks agreed on.
+        reason: Why, with the numbers; kept in ``reasons["fallback"]``.
+        config: The settings :func:`decide` was given (the loader parameters are redone).
+    """
+    if LEVELS[strategy] >= LEVELS[plan.strategy]:
+        raise ValueError(f"cannot fall back from {plan.strategy!r} to {strategy!r}")
+    reasons = {"strategy": f"{strategy}: fallback from {plan.strategy}",
+               "fallback": reason,
+               f"planned ({plan.strategy})": plan.reasons.get("strategy", "")}
+    new = Plan(strategy, store_nbytes=plan.store_nbytes, reasons=reasons, resources=plan.resources)
+    if strategy == "chunked":
+        new.chunk_mode = plan.chunk_mode
+        new.chunk_bytes = plan.chunk_bytes
+        if not new.chunk_bytes:
+            budget, _ = _budget(plan.resources, float(config.get("vram_fraction", 0.6)))
+            new.chunk_bytes = _chunk_bytes(plan.store_nbytes, budget)
+        reasons["chunk_bytes"] = f"{fmt_bytes(new.chunk_bytes)} per buffer"
+        reasons["chunk_mode"] = plan.reasons.get("chunk_mode", new.chunk_mode)
+    _loader_params(new, plan.resources, config)
+    return new
 
 
 def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
