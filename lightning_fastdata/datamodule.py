@@ -19,7 +19,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata.augment import BatchTransform
-from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, WorkerLoader, _Loader, _Transformed, place_fields
+from lightning_fastdata.loaders import (
+    ChunkBuffers,
+    ChunkedLoader,
+    DeviceLoader,
+    ShardedOrder,
+    WorkerLoader,
+    _Loader,
+    _Transformed,
+)
+from lightning_fastdata.placement import place
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
 from lightning_fastdata.seeding import derive_seed
 from lightning_fastdata.store import (
@@ -152,6 +161,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.stores: dict[str, Store] = {}
         self._raw: dict[str, Any] = {}
         self._placed: dict[str, list[torch.Tensor]] = {}
+        self._chunks: dict[str, ChunkBuffers] = {}
         self._loaders: dict[str, _Loader] = {}
 
     # ------------------------------------------------------------------ user hooks
@@ -237,21 +247,28 @@ class OptimizedDataModule(L.LightningDataModule):
         device = self.target_device()
         resources = probe_resources(device, local_world_size=D.local_world_size())
         nbytes = None if self._raw else sum(s.nbytes for s in self.stores.values())
-        self.plan = decide(nbytes, resources, {
+        batch_sizes = {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
+        config = {
             "strategy": self.strategy, "vram_fraction": self.vram_fraction,
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
             "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
-        })
+            "batch_nbytes": max((sum(i.row_nbytes for i in st.infos) * batch_sizes[split]
+                                 for split, st in self.stores.items()), default=0),
+        }
+        plan = decide(nbytes, resources, config)
+        # Place what is not placed yet; an OOM falls back a level, the same on every rank.
+        todo = {s: st for s, st in self.stores.items() if s not in self._placed and s not in self._chunks}
+        placement = place(todo, plan, device, config, batch_sizes, world_size=self._rank_world()[1])
+        self.plan = placement.plan
+        self._placed.update(placement.fields)
+        self._chunks.update(placement.buffers)
         rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
-        if self.plan.strategy == "device":
-            for split, store in self.stores.items():
-                if split not in self._placed:
-                    self._placed[split] = place_fields(store, device)
 
     def teardown(self, stage: str | None = None) -> None:
         """Release device copies and loaders of the stage's splits."""
         for split in _STAGE_SPLITS.get(stage or "fit", ()):
             self._placed.pop(split, None)
+            self._chunks.pop(split, None)
             self._loaders.pop(split, None)
 
     # ------------------------------------------------------------------ loaders
@@ -269,6 +286,8 @@ class OptimizedDataModule(L.LightningDataModule):
                              seed=self.seed, rank=rank, world_size=world)
         if split in self._placed:
             loader: _Loader = DeviceLoader(self._placed[split], self.stores[split].spec, order)
+        elif split in self._chunks:
+            loader = ChunkedLoader(self.stores[split], order, buffers=self._chunks[split], mode=self.plan.chunk_mode)
         else:
             p = self.plan
             kwargs = dict(num_workers=p.num_workers, pin_memory=p.pin_memory, prefetch_factor=p.prefetch_factor,
