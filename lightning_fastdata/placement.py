@@ -17,7 +17,7 @@ import contextlib
 import gc
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +31,11 @@ _NAMES = {v: k for k, v in LEVELS.items()}
 
 
 class _Faults(threading.local):
-    """Test seam: raise an OOM at the ``oom_at``-th device allocation, or fail every pin."""
+    """Test seam: raise at chosen device allocations, or fail every pin."""
 
     def __init__(self) -> None:
-        self.oom_at: int | None = None
+        self.oom_at: frozenset[int] = frozenset()
+        self.error: BaseException | None = None
         self.pin_fails = False
         self.count = 0
 
@@ -43,24 +44,31 @@ _faults = _Faults()
 
 
 @contextlib.contextmanager
-def inject_faults(oom_at: int | None = None, pin_fails: bool = False) -> Iterator[_Faults]:
-    """Within the block, the ``oom_at``-th call of :func:`device_empty` (1-based) raises
-    ``torch.OutOfMemoryError``, and :func:`staging_empty` cannot pin when ``pin_fails``.
+def inject_faults(oom_at: int | Iterable[int] = (), pin_fails: bool = False,
+                  error: BaseException | None = None) -> Iterator[_Faults]:
+    """Test seam: make placement fail on purpose, on any machine, in this thread.
 
-    Yields the fault state; its ``count`` is the number of device allocations made.
+    Within the block, the ``oom_at``-th calls of :func:`device_empty` (1-based, counted
+    from the start of the block) raise ``torch.OutOfMemoryError`` (or ``error`` when
+    given), and :func:`staging_empty` cannot pin when ``pin_fails``.
+
+    Yields the fault state; its ``count`` is the number of device allocations made so far.
     """
-    saved = (_faults.oom_at, _faults.pin_fails, _faults.count)
-    _faults.oom_at, _faults.pin_fails, _faults.count = oom_at, pin_fails, 0
+    saved = (_faults.oom_at, _faults.error, _faults.pin_fails, _faults.count)
+    _faults.oom_at = frozenset([oom_at] if isinstance(oom_at, int) else oom_at)
+    _faults.error, _faults.pin_fails, _faults.count = error, pin_fails, 0
     try:
         yield _faults
     finally:
-        _faults.oom_at, _faults.pin_fails, _faults.count = saved
+        _faults.oom_at, _faults.error, _faults.pin_fails, _faults.count = saved
 
 
 def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` on ``device``, through the fault seam."""
+    """``torch.empty`` on ``device``, through the fault seam of :func:`inject_faults`."""
     _faults.count += 1
-    if _faults.oom_at is not None and _faults.count == _faults.oom_at:
+    if _faults.count in _faults.oom_at:
+        if _faults.error is not None:
+            raise _faults.error
         raise torch.OutOfMemoryError(
             f"injected: CUDA out of memory at device allocation {_faults.count} ({tuple(shape)}, {dtype})"
         )
