@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -53,7 +54,7 @@ def test_global_mode_yields_exactly_the_device_batches(n, bs, world, drop_last, 
             ref_order.set_epoch(epoch)
             order.set_epoch(epoch)
             loader = ChunkedLoader(store, order, chunk_bytes=chunk_batches * bs * ROW)
-            assert loader.rows == min(chunk_batches, -(-(-(-n // world)) // bs)) * bs
+            assert loader.rows == min(chunk_batches, math.ceil(math.ceil(n / world) / bs)) * bs
             got, want = collect(loader), collect(device_loader(store, ref_order))
             assert len(got) == len(loader) == len(want) > 0
             assert same(got, want), (rank, epoch)
