@@ -353,8 +353,10 @@ class ChunkedLoader(_Loader):
             shuffled within windows of ``window`` chunks: every sample once per epoch
             (DistributedSampler padding aside), reads stay local.
 
-    Yielded batches are fresh tensors on CUDA; on the CPU they come from a ring of
-    ``ring`` preallocated buffers and stay valid until ``ring - 1`` more have been drawn.
+    Yielded batches are fresh tensors on CUDA. On the CPU they stay valid until
+    ``ring - 1`` more have been drawn, as with :class:`DeviceLoader`: views of the chunk
+    buffer (no copy) when a chunk holds more than ``ring - 1`` batches, else copies in a
+    ring of ``ring`` preallocated buffers.
 
     Args:
         store: The host-resident store.
@@ -491,22 +493,34 @@ class ChunkedLoader(_Loader):
         def submit(c: int) -> None:
             pending[c] = self._pool().submit(self._load, c % 2, idx[c * self.rows:(c + 1) * self.rows])
 
+        # On the CPU a batch is a view of its chunk, valid until ``ring - 1`` more batches
+        # were drawn (as for DeviceLoader): the idle slot is refilled only after that many
+        # batches of the new chunk went out. Chunks too short for that get copies.
+        views = self.ring > 0 and per_chunk > self.ring - 1
+        keep = self.ring - 1 if views else 0
         try:
             if first < n_chunks:
                 submit(first)
             for c in range(first, n_chunks):
-                if c + 1 < n_chunks:
+                lo, hi = max(c * per_chunk, start), min((c + 1) * per_chunk, n_batches)
+                refill_at = max(c * per_chunk + keep, start) if c + 1 < n_chunks else -1
+                if refill_at == lo:
                     submit(c + 1)  # its slot held chunk c - 1, which is done
                 pending.pop(c).result()
                 if self._cuda:
                     torch.cuda.current_stream(self.device).wait_event(self._ready[c % 2])
                 chunk = self.buffers.slots[c % 2]
-                for b in range(max(c * per_chunk, start), min((c + 1) * per_chunk, n_batches)):
+                for b in range(lo, hi):
+                    if b == refill_at and b != lo:
+                        submit(c + 1)
                     a = (b - c * per_chunk) * bs
                     rows = min(bs, idx.numel() - b * bs)
-                    leaves = [self._out(k, f[a:a + rows]) for k, f in enumerate(chunk)]
-                    if self.ring:
-                        self._slot = (self._slot + 1) % self.ring
+                    if views:
+                        leaves = [f[a:a + rows] for f in chunk]
+                    else:
+                        leaves = [self._out(k, f[a:a + rows]) for k, f in enumerate(chunk)]
+                        if self.ring:
+                            self._slot = (self._slot + 1) % self.ring
                     self._emit(b)
                     yield unflatten(self.spec, leaves)
                 if self._cuda:

@@ -112,6 +112,21 @@ def test_resume_mid_chunk_is_exact(mode, stop):
     assert same(collect(resumed), full)  # the following iteration starts from the beginning again
 
 
+@pytest.mark.parametrize("chunk_batches", [1, 2, 3, 8])  # copies below ring batches per chunk, views above
+def test_a_batch_stays_valid_until_two_more_are_drawn(chunk_batches):
+    # Lightning fetches one batch ahead of the step that uses it: held batches must not change.
+    store = make_store(97)
+    want = collect(device_loader(store, ShardedOrder(97, 4, seed=9)))
+    loader = ChunkedLoader(store, ShardedOrder(97, 4, seed=9), chunk_bytes=chunk_batches * 4 * ROW, ring=3)
+    held = []
+    for i, batch in enumerate(loader):
+        held.append((i, batch))
+        held = held[-3:]
+        for j, old in held:
+            assert all(torch.equal(old[k], want[j][k]) for k in old), (i, j)
+    assert i == len(want) - 1
+
+
 def test_consumed_batches_are_counted_when_the_consumer_reports_them():
     loader = ChunkedLoader(make_store(40), ShardedOrder(40, 4, seed=1), chunk_bytes=2 * 4 * ROW)
     it = iter(loader)
