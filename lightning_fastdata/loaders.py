@@ -526,8 +526,12 @@ class ChunkedLoader(_Loader):
                 if self._cuda:
                     self._freed[c % 2].record(torch.cuda.current_stream(self.device))
         finally:
-            # Stopped early or failed: let in-flight loads finish before the buffers are reused.
+            # Stopped early or failed: let in-flight loads finish before the buffers are reused,
+            # and make the next refills wait for the consumer's reads already enqueued.
             wait(list(pending.values()))
+            if self._cuda:
+                for event in self._freed:
+                    event.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
         """Stop the loader thread (it is also stopped when the loader is garbage-collected)."""
