@@ -19,7 +19,7 @@ STRATEGIES = ("auto", "device", "chunked", "workers")
 #: Placement levels, most device memory first; a failed placement falls back one level.
 LEVELS = {"workers": 0, "chunked": 1, "device": 2}
 #: Largest chunk buffer the plan chooses.
-CHUNK_CAP_BYTES = 256 << 20
+CHUNK_CAP_BYTES = 64 << 20
 #: Free device memory kept back for the model, activations and the allocator.
 VRAM_MARGIN_BYTES = 1 << 30
 
@@ -146,10 +146,12 @@ def _chunk_mode_reason(mode: str, store_nbytes: int, resources: Resources) -> st
             "available; chunks follow the epoch's permutation (same batches as the device strategy)")
 
 
-def _chunk_bytes(store_nbytes: int, budget: int) -> int:
+def _chunk_bytes(store_nbytes: int, budget: int, batch_nbytes: int = 0) -> int:
     """Size of one chunk buffer: four must fit the budget (two for training, two for evaluation)."""
-    # Beyond a few hundred MB a bigger chunk buys no more overlap, only a longer first wait.
-    return max(0, min(CHUNK_CAP_BYTES, budget // 4, store_nbytes))
+    # A store in at least 4 chunks, so loading overlaps use within an epoch (the first chunk
+    # of each epoch is waited for); beyond some tens of MB a chunk buys no more overlap.
+    want = max(batch_nbytes, -(-store_nbytes // 4))
+    return max(0, min(CHUNK_CAP_BYTES, budget // 4, want))
 
 
 def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any]) -> Plan:
@@ -187,7 +189,7 @@ def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any
         reasons["strategy"] = "samples cannot be stored: per-sample loading in DataLoader workers"
     else:
         store = fmt_bytes(store_nbytes)
-        chunk = _chunk_bytes(store_nbytes, budget)
+        chunk = _chunk_bytes(store_nbytes, budget, batch_nbytes)
         chunk_fits = chunk > 0 and chunk >= batch_nbytes
         chunk_why = (f"4 chunk buffers of {fmt_bytes(chunk)} (2 for training, 2 for evaluation) "
                      f"within the budget {fmt_bytes(budget)}, one batch = {fmt_bytes(batch_nbytes)}")
@@ -260,7 +262,7 @@ def fall_back(plan: Plan, strategy: str, reason: str, config: dict[str, Any]) ->
         new.chunk_bytes = plan.chunk_bytes
         if not new.chunk_bytes:
             budget, _ = _budget(plan.resources, float(config.get("vram_fraction", 0.6)))
-            new.chunk_bytes = _chunk_bytes(plan.store_nbytes, budget)
+            new.chunk_bytes = _chunk_bytes(plan.store_nbytes, budget, int(config.get("batch_nbytes", 0) or 0))
         reasons["chunk_bytes"] = f"{fmt_bytes(new.chunk_bytes)} per buffer"
         reasons["chunk_mode"] = plan.reasons.get("chunk_mode", new.chunk_mode)
     _loader_params(new, plan.resources, config)
