@@ -18,7 +18,7 @@ import torch
 STRATEGIES = ("auto", "device", "chunked", "workers")
 #: Placement levels, most device memory first; a failed placement falls back one level.
 LEVELS = {"workers": 0, "chunked": 1, "device": 2}
-#: Largest chunk buffer the plan chooses.
+#: Largest chunk buffer the plan chooses, unless one batch is larger.
 CHUNK_CAP_BYTES = 64 << 20
 #: Free device memory kept back for the model, activations and the allocator.
 VRAM_MARGIN_BYTES = 1 << 30
@@ -151,7 +151,7 @@ def _chunk_bytes(store_nbytes: int, budget: int, batch_nbytes: int = 0) -> int:
     # A store in at least 4 chunks, so loading overlaps use within an epoch (the first chunk
     # of each epoch is waited for); beyond some tens of MB a chunk buys no more overlap.
     want = max(batch_nbytes, -(-store_nbytes // 4))
-    return max(0, min(CHUNK_CAP_BYTES, budget // 4, want))
+    return max(0, min(max(CHUNK_CAP_BYTES, batch_nbytes), budget // 4, want))
 
 
 def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any]) -> Plan:

@@ -59,6 +59,14 @@ def test_budget_is_bounded_by_free_memory_less_a_margin():
     assert "free 10.0 GB less a 1.1 GB margin" in over.reasons["strategy"]
 
 
+def test_a_chunk_holds_at_least_one_batch_and_a_store_is_at_least_four_chunks():
+    big_batch = 512 * 3 * 224 * 224  # 77 MB, above the usual chunk cap
+    plan = decide(100 * GB, gpu(total=80 * GB), cfg(batch_nbytes=big_batch))
+    assert plan.strategy == "chunked" and plan.chunk_bytes == big_batch
+    small = decide(40 * 10**6, gpu(total=80 * GB), cfg())  # fits: device, with a fallback chunk size kept
+    assert small.strategy == "device" and small.chunk_bytes == 10**7
+
+
 def test_workers_when_nothing_can_be_stored_or_a_chunk_cannot_hold_a_batch():
     plan = decide(None, gpu(), cfg())
     assert plan.strategy == "workers" and "cannot be stored" in plan.reasons["strategy"]
