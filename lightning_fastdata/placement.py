@@ -19,13 +19,16 @@ import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata.plan import LEVELS, Plan, fall_back, fmt_bytes
 from lightning_fastdata.store import Store
+
+if TYPE_CHECKING:  # loaders imports this module; import it back only for types
+    from lightning_fastdata.loaders import ChunkBuffers
 
 _NAMES = {v: k for k, v in LEVELS.items()}
 
@@ -110,7 +113,7 @@ class Placement:
 
     plan: Plan
     fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    buffers: dict[str, Any] = field(default_factory=dict)
+    buffers: dict[str, ChunkBuffers] = field(default_factory=dict)
 
 
 def _device_memory(device: torch.device) -> str:
