@@ -90,6 +90,8 @@ class Plan:
         chunk_bytes: Per-buffer size of the ``chunked`` strategy (also kept by a
             ``device`` plan for its fallback).
         chunk_mode: ``global`` or ``block`` (see :class:`~lightning_fastdata.loaders.ChunkedLoader`).
+        num_workers_candidates: Worker counts to time when ``num_workers="measure"``
+            (empty otherwise).
         store_nbytes: Size of the store the plan is for.
         reasons: One sentence per decision, with its numbers.
         resources: The snapshot the plan was made from.
@@ -103,6 +105,7 @@ class Plan:
     chunk_bytes: int = 0
     chunk_mode: str = "global"
     store_nbytes: int = 0
+    num_workers_candidates: list[int] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     resources: Resources | None = None
 
@@ -166,9 +169,11 @@ def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any
         store_nbytes: Size of the store, or ``None`` when samples cannot be stored
             (then only the ``workers`` strategy over the raw source is possible).
         resources: The snapshot to decide from.
-        config: The user's settings: ``strategy``, ``vram_fraction``, ``num_workers``,
-            ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` ("auto" or a value),
-            and ``batch_nbytes`` (bytes of the largest batch; a chunk must hold one).
+        config: The user's settings: ``strategy``, ``vram_fraction``, ``num_workers``
+            ("auto", "measure" or a value), ``pin_memory``, ``prefetch_factor``,
+            ``persistent_workers`` ("auto" or a value), and ``batch_nbytes`` (bytes of the
+            largest batch; a chunk must hold one, and the workers' RAM and /dev/shm caps
+            count it).
 
     Raises:
         PlanError: when a forced strategy cannot work, with the numbers and the fix.
@@ -269,42 +274,136 @@ def fall_back(plan: Plan, strategy: str, reason: str, config: dict[str, Any]) ->
     return new
 
 
+#: Private memory one DataLoader worker costs beyond its batches: a forked interpreter with
+#: torch imported dirties a few hundred MB copy-on-write; per-sample decoding costs more.
+WORKER_RAM_BYTES = 512 << 20
+#: Share of this rank's available RAM the workers may take; the rest is for the main
+#: process, the model on a CPU run, and the page cache that serves the store.
+WORKER_RAM_SHARE = 0.5
+#: Batch size assumed when the batch's bytes are unknown (samples that cannot be stored).
+UNKNOWN_BATCH_BYTES = 16 << 20
+#: Slack on /dev/shm: a batch can sit there twice (the worker's copy and the pinned one
+#: in flight), and other processes of the node use it too.
+SHM_SLACK = 2
+
+
+def _auto_workers(r: Resources, batch_nbytes: int | None, prefetch: int) -> tuple[int, str]:
+    """Workers for one rank: physical cores per local rank less one, capped by RAM and /dev/shm."""
+    ranks = max(1, r.local_world_size)
+    per_rank = max(1, r.physical_cores // ranks)
+    n = per_rank - 1
+    why = (f"{r.physical_cores} physical cores / {ranks} local rank{'s' if ranks > 1 else ''} = {per_rank} per "
+           f"rank, less one for the main process = {n}")
+    if n == 0:
+        return 0, why + ": batches are loaded in the main process"
+    batch = batch_nbytes if batch_nbytes else UNKNOWN_BATCH_BYTES
+    guess = "" if batch_nbytes else " (assumed: batch size unknown)"
+    ram = int(WORKER_RAM_SHARE * r.ram_available / ranks)
+    per_worker = WORKER_RAM_BYTES + prefetch * batch
+    by_ram = ram // per_worker
+    if by_ram < n:
+        n = by_ram
+        why += (f"; capped to {n} by RAM: {WORKER_RAM_SHARE:.0%} of {fmt_bytes(r.ram_available)} available / "
+                f"{ranks} rank(s) = {fmt_bytes(ram)}, {fmt_bytes(per_worker)} per worker "
+                f"({fmt_bytes(WORKER_RAM_BYTES)} process + {prefetch} x {fmt_bytes(batch)} batches{guess})")
+    # Worker batches reach the main process through /dev/shm; a full /dev/shm is a SIGBUS
+    # ("bus error", "unable to write to file </torch_...>"), not a Python exception.
+    shm = r.shm_free // ranks
+    per_worker_shm = SHM_SLACK * prefetch * batch
+    by_shm = shm // per_worker_shm
+    if by_shm < n:
+        n = by_shm
+        why += (f"; capped to {n} by /dev/shm: {fmt_bytes(r.shm_free)} free / {ranks} rank(s) = {fmt_bytes(shm)}, "
+                f"{fmt_bytes(per_worker_shm)} per worker ({SHM_SLACK} x {prefetch} x {fmt_bytes(batch)} "
+                f"batches in flight{guess})")
+        if n == 0:
+            why += "; 0 workers avoids the bus error: enlarge /dev/shm (docker run --shm-size=2g)"
+    return n, why
+
+
+def _measure_candidates(best_guess: int) -> list[int]:
+    """Worker counts worth timing: none, one, half and all of the auto value (never more)."""
+    return sorted({0, min(1, best_guess), best_guess // 2, best_guess})
+
+
 def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
-    """Worker settings; only the ``workers`` strategy uses worker processes."""
+    """Loader settings, each with its reason; only ``workers`` uses worker processes.
+
+    ``config`` may carry ``batch_nbytes`` (bytes of one training batch) so that RAM and
+    /dev/shm caps count the batches in flight; without it a batch is assumed to be
+    :data:`UNKNOWN_BATCH_BYTES`.
+    """
     nw = config.get("num_workers", "auto")
+    pf = config.get("prefetch_factor", "auto")
+    batch_nbytes = config.get("batch_nbytes")
+    plan.num_workers_candidates = []
     if plan.strategy != "workers":
-        plan.num_workers = 0 if nw == "auto" else int(nw)
-        plan.reasons["num_workers"] = (f"{plan.num_workers}: batches are gathered in the main process"
-                                       if nw == "auto" else f"{plan.num_workers}: set by configuration")
-    elif nw == "auto":
-        per_rank = max(1, r.physical_cores // max(1, r.local_world_size))
-        plan.num_workers = max(0, per_rank - 1) if per_rank > 1 else 0
+        plan.num_workers = 0 if nw in ("auto", "measure") else int(nw)
         plan.reasons["num_workers"] = (
-            f"{plan.num_workers}: {r.physical_cores} physical cores / {r.local_world_size} local ranks "
-            f"= {per_rank} per rank, less one for the main process"
-        )
+            f"0: strategy {plan.strategy!r} gathers batches in the main process, no workers to feed"
+            if nw in ("auto", "measure") else f"{plan.num_workers}: set by configuration")
     else:
-        plan.num_workers = int(nw)
-        plan.reasons["num_workers"] = f"{plan.num_workers}: set by configuration"
+        prefetch = 2 if pf == "auto" else int(pf)
+        auto, why = _auto_workers(r, batch_nbytes, prefetch)
+        if pf == "auto" and auto < max(1, r.physical_cores // max(1, r.local_world_size)) - 1:
+            # A cap bound at two batches per worker: one batch each may buy more workers.
+            one, why_one = _auto_workers(r, batch_nbytes, 1)
+            if one > auto:
+                auto, why = one, why_one + " (at one batch in flight per worker)"
+        if nw == "auto":
+            plan.num_workers = auto
+            plan.reasons["num_workers"] = f"{auto}: {why}"
+        elif nw == "measure":
+            plan.num_workers = auto
+            plan.num_workers_candidates = _measure_candidates(auto)
+            plan.reasons["num_workers"] = (f"{auto} until measured: candidates {plan.num_workers_candidates} "
+                                           f"are timed in setup, capped by the auto value ({why})")
+        else:
+            plan.num_workers = int(nw)
+            plan.reasons["num_workers"] = (f"{plan.num_workers}: set by configuration" +
+                                           (f" (auto would pick {auto}: {why})" if auto != plan.num_workers else ""))
 
     pm = config.get("pin_memory", "auto")
-    copies = plan.strategy == "workers" and r.device_type == "cuda"
-    plan.pin_memory = copies if pm == "auto" else bool(pm)
-    plan.reasons["pin_memory"] = (
-        f"{plan.pin_memory}: " + ("host-to-device copies exist" if copies else "no host-to-device copy")
-        if pm == "auto" else f"{plan.pin_memory}: set by configuration"
-    )
-    pf = config.get("prefetch_factor", "auto")
+    cuda = r.device_type == "cuda"
+    copies = cuda and plan.strategy in ("workers", "chunked")
+    if pm != "auto":
+        plan.pin_memory = bool(pm)
+        plan.reasons["pin_memory"] = f"{plan.pin_memory}: set by configuration"
+    else:
+        plan.pin_memory = copies
+        if copies:
+            why = "batches are copied host-to-device; pinned pages make the copy asynchronous and faster"
+        elif not cuda:
+            why = "training runs on the CPU: there is no host-to-device copy to speed up"
+        elif plan.strategy == "device":
+            why = "the store lives on the device: batches never cross the host-to-device link"
+        else:
+            why = "no host-to-device copy"
+        plan.reasons["pin_memory"] = f"{plan.pin_memory}: {why}"
+
     if plan.num_workers == 0:
         plan.prefetch_factor = None
-        plan.reasons["prefetch_factor"] = "None: no worker processes"
+        plan.reasons["prefetch_factor"] = "None: no worker processes (PyTorch requires None then)"
+    elif pf != "auto":
+        plan.prefetch_factor = int(pf)
+        plan.reasons["prefetch_factor"] = f"{plan.prefetch_factor}: set by configuration"
     else:
-        plan.prefetch_factor = 2 if pf == "auto" else int(pf)
-        why = "two batches in flight per worker" if pf == "auto" else "set by configuration"
-        plan.reasons["prefetch_factor"] = f"{plan.prefetch_factor}: {why}"
+        at_one = "at one batch in flight per worker" in plan.reasons.get("num_workers", "")
+        plan.prefetch_factor = 1 if at_one else 2
+        plan.reasons["prefetch_factor"] = (
+            "1: /dev/shm or RAM holds only one batch in flight per worker" if at_one else
+            f"2: {2 * plan.num_workers} batches in flight over {plan.num_workers} worker(s) hide per-batch "
+            "jitter; more costs RAM and /dev/shm without speed when the workers keep up")
+
     pw = config.get("persistent_workers", "auto")
-    plan.persistent_workers = plan.num_workers > 0 if pw == "auto" else bool(pw) and plan.num_workers > 0
-    plan.reasons["persistent_workers"] = (
-        f"{plan.persistent_workers}: " + ("workers kept across epochs (no restart cost)" if plan.num_workers
-                                          else "no worker processes")
-    )
+    if plan.num_workers == 0:
+        plan.persistent_workers = False
+        plan.reasons["persistent_workers"] = "False: no worker processes" + (
+            " (the configured True has no effect)" if pw is True else "")
+    elif pw != "auto":
+        plan.persistent_workers = bool(pw)
+        plan.reasons["persistent_workers"] = f"{plan.persistent_workers}: set by configuration"
+    else:
+        plan.persistent_workers = True
+        plan.reasons["persistent_workers"] = ("True: workers are kept across epochs; restarting them costs a fork "
+                                              "and a re-pickled dataset per worker every epoch")
