@@ -67,13 +67,20 @@ def _section(exc: BaseException) -> str:
     """Which config section's class raised ``exc``: the innermost Lightning object on the stack."""
     kinds = ((LightningDataModule, "data"), (LightningModule, "model"), (Trainer, "trainer"))
     found = ""
-    tb = exc.__traceback__
-    while tb is not None:
-        obj = tb.tb_frame.f_locals.get("self")
-        for cls, name in kinds:
-            if isinstance(obj, cls):
-                found = f"{name} ({type(obj).__module__}.{type(obj).__qualname__})"
-        tb = tb.tb_next
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:  # jsonargparse re-raises: follow the chain
+        seen.add(id(chain))
+        tb = chain.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            for cls, name in kinds:
+                if isinstance(obj, cls):
+                    found = f"{name} ({type(obj).__module__}.{type(obj).__qualname__})"
+            tb = tb.tb_next
+        if found:
+            break
+        chain = chain.__cause__ or chain.__context__
     return found or "the configuration"
 
 
