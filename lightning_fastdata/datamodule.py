@@ -129,8 +129,9 @@ class OptimizedDataModule(L.LightningDataModule):
             raise ValueError(f"vram_fraction must be in (0, 1], got {vram_fraction!r}; 0.6 keeps 40% for the model")
         if shared_memory not in ("auto", "on", "off"):
             raise ValueError(f"shared_memory must be 'auto', 'on' or 'off', got {shared_memory!r}")
-        if num_workers != "measure":
-            _check_auto_int("num_workers", num_workers, 0)
+        if num_workers != "measure" and (num_workers != _AUTO and (isinstance(num_workers, bool) or
+                                                                  not isinstance(num_workers, int) or num_workers < 0)):
+            raise ValueError(f"num_workers must be 'auto', 'measure' or an int >= 0, got {num_workers!r}")
         _check_auto_int("prefetch_factor", prefetch_factor, 1)
         _check_auto_bool("pin_memory", pin_memory)
         _check_auto_bool("persistent_workers", persistent_workers)
