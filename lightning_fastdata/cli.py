@@ -37,7 +37,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning_utilities.core import rank_zero as rank_zero_module
 
-from lightning_fastdata.autotune import time_loader
+from lightning_fastdata.autotune import shutdown_workers, time_loader
 from lightning_fastdata.datamodule import OptimizedDataModule
 from lightning_fastdata.plan import Plan, PlanError, Resources, decide, fmt_bytes, probe_resources
 
@@ -327,7 +327,7 @@ def _bench_one(dm: OptimizedDataModule, strategy: str, device: torch.device, loc
         if bar is not None:
             bar.update(1)
 
-    rates = []
+    rates, loader = [], None
     try:
         dm.setup("fit")
         loader = dm.train_dataloader()
@@ -338,6 +338,7 @@ def _bench_one(dm: OptimizedDataModule, strategy: str, device: torch.device, loc
     finally:
         if bar is not None:
             bar.close()
+        shutdown_workers(loader)  # idle workers of one strategy must not linger into the next
         dm.teardown("fit")
     p = dm.plan or plan
     return {"strategy": strategy, "feasible": True, "samples_per_s": statistics.median(rates),
