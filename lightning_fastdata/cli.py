@@ -263,20 +263,7 @@ def run_bench(dm: OptimizedDataModule, device: torch.device, local_world_size: i
     """
     out = out or sys.stdout
     auto = plan_for(dm, device, local_world_size)
-    saved = {k: getattr(dm, k) for k in ("strategy", "num_workers", "device")}
-    rows: list[dict[str, Any]] = []
-    quiet = getattr(rank_zero_module, "log", logging.getLogger("lightning.pytorch.utilities.rank_zero"))
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)  # setup's plan log, once per strategy, would bury the table
-    try:
-        for strategy in strategies:
-            try:
-                rows.append(_bench_one(dm, strategy, device, local_world_size, batches, warmup, repeats, progress))
-            finally:
-                for k, v in saved.items():
-                    setattr(dm, k, v)
-    finally:
-        quiet.setLevel(level)
+    rows = [bench_strategy(dm, s, device, local_world_size, batches, warmup, repeats, progress) for s in strategies]
     measured = [r for r in rows if r.get("samples_per_s")]
     if not measured:
         raise PlanError("no strategy could be measured: " + "; ".join(f"{r['strategy']}: {r['reason']}" for r in rows))
@@ -307,8 +294,28 @@ def run_bench(dm: OptimizedDataModule, device: torch.device, local_world_size: i
     return report
 
 
-def _bench_one(dm: OptimizedDataModule, strategy: str, device: torch.device, local_world_size: int,
-               batches: int, warmup: int, repeats: int, progress: bool) -> dict[str, Any]:
+def bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device, local_world_size: int,
+                   batches: int, warmup: int, repeats: int, progress: bool) -> dict[str, Any]:
+    """Median loader-only samples/s of ``dm``'s training loader under ``strategy`` (one row of ``bench``).
+
+    Returns:
+        ``{"strategy", "feasible", "samples_per_s", "rates", "num_workers", ...}``, or
+        ``feasible: False`` with the reason when the plan refuses the strategy.
+    """
+    saved = {k: getattr(dm, k) for k in ("strategy", "num_workers", "device")}
+    quiet = getattr(rank_zero_module, "log", logging.getLogger("lightning.pytorch.utilities.rank_zero"))
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # setup's plan log, once per strategy, would bury the table
+    try:
+        return _bench_strategy(dm, strategy, device, local_world_size, batches, warmup, repeats, progress)
+    finally:
+        quiet.setLevel(level)
+        for k, v in saved.items():
+            setattr(dm, k, v)
+
+
+def _bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device, local_world_size: int,
+                    batches: int, warmup: int, repeats: int, progress: bool) -> dict[str, Any]:
     try:
         plan = plan_for(dm, device, local_world_size, strategy=strategy)
     except PlanError as e:
