@@ -8,7 +8,7 @@ import pytest
 from _helpers import TinyDataModule
 
 from lightning_fastdata import autotune
-from lightning_fastdata.autotune import measure_num_workers, time_loader
+from lightning_fastdata.autotune import measure_num_workers, shutdown_workers, time_loader
 from lightning_fastdata.plan import Plan, Resources, decide
 
 GB, MB = 1 << 30, 1 << 20
@@ -196,8 +196,9 @@ def test_datamodule_measures_in_setup(cache_dir):
     assert "measured fastest" in dm.plan.reasons["num_workers"]
     for nw in dm.plan.num_workers_candidates:
         assert f"{nw}: " in dm.plan.reasons["num_workers"]
-    batches = list(dm.train_dataloader())
-    assert sum(len(b[1]) for b in batches) == 128
+    loader = dm.train_dataloader()
+    assert sum(len(b[1]) for b in loader) == 128
+    shutdown_workers(loader)
 
 
 def test_datamodule_rejects_other_strings_for_num_workers():
