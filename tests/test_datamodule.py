@@ -61,7 +61,7 @@ def test_cache_key_and_loader_settings(cache_dir):
     (dict(vram_fraction=1.5), "vram_fraction must be in \\(0, 1\\], got 1.5"),
     (dict(batch_size=-1), "batch_size must be an int > 0, got -1"),
     (dict(strategy="gpu"), "strategy must be one of"),
-    (dict(num_workers=-2), "num_workers must be 'auto' or an int >= 0, got -2"),
+    (dict(num_workers=-2), "num_workers must be 'auto', 'measure' or an int >= 0, got -2"),
     (dict(shared_memory="yes"), "shared_memory"),
     (dict(train_augment=3), "train_augment must be a callable"),
 ])
