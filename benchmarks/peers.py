@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -134,10 +135,14 @@ def bench_litdata(images: str, labels: str, work: Path, args: argparse.Namespace
                  "reason": "litdata is not installed: pip install 'lightning-fastdata[bench]'"}]
 
     out = work / "litdata"
+    method = multiprocessing.get_start_method()
     t0 = time.perf_counter()
     ld.optimize(fn=_LitSample(images, labels), inputs=list(range(args.n)), output_dir=str(out),
                 chunk_bytes="16MB", num_workers=1, mode="overwrite")
     optimize_s = time.perf_counter() - t0
+    # optimize() switches the process-wide start method to spawn; every loader here is
+    # timed with the same (the platform's default) method.
+    multiprocessing.set_start_method(method, force=True)
 
     rows = []
     for nw in args.workers:

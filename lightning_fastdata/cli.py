@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from jsonargparse.typing import PositiveInt
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -131,7 +131,7 @@ class _ToolCLI(LightningCLI):
                             help="Write the report as JSON to this path ('-' for stdout).")
         if self.tool == "bench":
             parser.add_argument("--batches", type=PositiveInt, default=30, help="Batches timed per repeat.")
-            parser.add_argument("--warmup", type=int, default=3, help="Untimed batches before each repeat.")
+            parser.add_argument("--warmup", type=NonNegativeInt, default=3, help="Untimed batches before each repeat.")
             parser.add_argument("--repeats", type=PositiveInt, default=3, help="Repeats; the median is reported.")
             parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar.")
 
@@ -399,7 +399,7 @@ def _run_tool(tool: str, args: list[str]) -> None:
         if tool == "plan":
             run_plan(dm, device, ranks, json_path=cfg.json)
         else:
-            run_bench(dm, device, ranks, batches=cfg.batches, warmup=max(0, cfg.warmup), repeats=cfg.repeats,
+            run_bench(dm, device, ranks, batches=cfg.batches, warmup=cfg.warmup, repeats=cfg.repeats,
                       progress=cfg.progress, json_path=cfg.json)
     except PlanError as e:
         cli.parser.error(str(e))
