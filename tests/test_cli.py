@@ -186,3 +186,22 @@ def test_target_reads_accelerator_and_devices(trainer, expected):
     assert (device.type, ranks) == expected
     device, _ = target(SimpleNamespace(**trainer), SimpleNamespace(device="cpu"))
     assert device == torch.device("cpu")  # data.device wins
+
+
+@pytest.mark.slow
+def test_plan_and_bench_on_the_example_config(tmp_path, capsys):
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "config.yaml")
+    small = ["--data.init_args.root", str(tmp_path / "demo"), "--data.init_args.cache_dir", str(tmp_path / "cache"),
+             "--data.init_args.train_per_class", "20", "--data.init_args.val_per_class", "5",
+             "--data.init_args.progress", "false", "--trainer.accelerator", "cpu"]
+    main(["plan", "--config", config, *small])
+    text = capsys.readouterr().out
+    assert "train: 200 samples" in text and "strategy = device" in text
+    main(["bench", "--config", config, *small, "--batches", "1", "--warmup", "0", "--repeats", "1",
+          "--progress", "false", "--json", str(tmp_path / "bench.json")])
+    text = capsys.readouterr().out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    measured = [r for r in report["results"] if r.get("samples_per_s")]
+    assert {r["strategy"] for r in measured} >= {"device", "workers"}
+    assert report["recommendation"] == max(measured, key=lambda r: r["samples_per_s"])["strategy"]
+    assert "| device |" in text and "recommendation:" in text
