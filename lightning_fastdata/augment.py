@@ -798,4 +798,4 @@ class RandomApply(BatchTransform):
         if sub.shape[1:] != x.shape[1:] or sub.dtype != x.dtype:
             raise ValueError(f"RandomApply needs shape- and dtype-preserving transforms: got {tuple(sub.shape[1:])} "
                              f"{sub.dtype} from {tuple(x.shape[1:])} {x.dtype}; put resizing ops outside RandomApply")
-        return x.index_copy(0, idx, sub)
+        return x.clone().index_copy_(0, idx, sub)  # clone keeps channels_last
