@@ -12,6 +12,7 @@ normalise last (``Normalize`` accepts uint8 and converts in the same pass).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -288,16 +289,20 @@ def _to_input_dtype(y: torch.Tensor, like: torch.Tensor, rounding: bool = True) 
     return y.clamp_(0, bound).to(like.dtype)
 
 
-def _resample_weights(start: torch.Tensor, length: torch.Tensor, in_size: int, out_size: int,
-                      antialias: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Per-sample (N, out_size, in_size) bilinear resampling matrices of the window [start, start+length).
+def _resample_taps(start: torch.Tensor, length: torch.Tensor, in_size: int, out_size: int,
+                   antialias: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample bilinear resampling of the window [start, start+length) to ``out_size`` pixels.
 
-    The weights are those of torch's ``_upsample_bilinear2d_aa`` (PIL's algorithm, which
-    torchvision's antialiased ``resize`` calls) for an input of ``length`` pixels; without
-    antialias the triangle is not widened, which is plain bilinear interpolation. Pixels
-    outside the window get weight 0, so a crop and a resize are one matrix product.
+    Returns ``(index, weight)``, each (N, out_size, K): output pixel i of sample n is
+    ``sum_k weight[n, i, k] * input[index[n, i, k]]``. The weights are those of torch's
+    ``_upsample_bilinear2d_aa`` (PIL's algorithm, behind torchvision's antialiased
+    ``resize``) for an input of ``length`` pixels; without antialias the triangle is not
+    widened, which is plain bilinear interpolation. K is a bound known on the host (no
+    device sync); taps past a pixel's window get weight 0.
     """
     dev = start.device
+    widest = max(in_size / out_size, 1.0) if antialias else 1.0
+    k = math.ceil(2 * widest) + 1
     length = length.to(dtype).view(-1, 1)
     scale = length / out_size
     widen = (scale >= 1.0) if antialias else torch.zeros_like(scale, dtype=torch.bool)
@@ -306,11 +311,31 @@ def _resample_weights(start: torch.Tensor, length: torch.Tensor, in_size: int, o
     center = scale * (torch.arange(out_size, device=dev, dtype=dtype).view(1, -1) + 0.5)
     xmin = torch.trunc(center - support + 0.5).clamp_(min=0)
     xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
-    pos = torch.arange(in_size, device=dev, dtype=dtype).view(1, 1, -1) - start.to(dtype).view(-1, 1, 1)
+    pos = xmin.unsqueeze(-1) + torch.arange(k, device=dev, dtype=dtype)            # (N, out, K), local
     wts = (1.0 - ((pos - center.unsqueeze(-1) + 0.5) * invscale.unsqueeze(-1)).abs()).clamp_(min=0)
-    inside = (pos >= xmin.unsqueeze(-1)) & (pos < xmax.unsqueeze(-1))
-    wts = torch.where(inside, wts, torch.zeros_like(wts))
-    return wts / wts.sum(-1, keepdim=True)
+    wts = torch.where(pos < xmax.unsqueeze(-1), wts, torch.zeros_like(wts))
+    wts = wts / wts.sum(-1, keepdim=True)
+    index = (pos + start.to(dtype).view(-1, 1, 1)).clamp_(max=in_size - 1).long()  # zero-weight taps clamp
+    return index, wts
+
+
+def _resample_rows(x: torch.Tensor, index: torch.Tensor, wts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Resample the rows (dim 2) of ``x`` (N, M, H, W) with per-sample taps (N, oh, K): (N, M, oh, W).
+
+    Each tap copies whole rows with one ``index_select`` (contiguous memory), then adds
+    them weighted: K row copies instead of a dense (oh x H) product per sample.
+    """
+    n, m, h, w = x.shape
+    oh, k = index.shape[1], index.shape[2]
+    rows = x.reshape(n * m * h, w)
+    base = (torch.arange(n * m, device=x.device) * h).view(n, m, 1)
+    out = None
+    for t in range(k):
+        sel = (base + index[:, :, t].view(n, 1, oh)).view(-1)
+        picked = rows.index_select(0, sel).view(n, m, oh, w).to(dtype)
+        weight = wts[:, :, t].view(n, 1, oh, 1)
+        out = picked.mul_(weight) if out is None else out.addcmul_(picked, weight)
+    return out  # type: ignore[return-value]
 
 
 class RandomResizedCrop(BatchTransform):
@@ -379,11 +404,13 @@ class RandomResizedCrop(BatchTransform):
         n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
         oh, ow = self.size
         dt = _compute_dtype(x)
-        wy = _resample_weights(top, height, h, oh, self.antialias, dt)   # (N, oh, H)
-        wx = _resample_weights(left, width, w, ow, self.antialias, dt)   # (N, ow, W)
-        flat = x.reshape(n, -1, h, w).to(dt)
-        out = torch.matmul(torch.matmul(wy.unsqueeze(1), flat), wx.transpose(1, 2).unsqueeze(1))
-        out = _to_input_dtype(out, x).view(*x.shape[:-2], oh, ow)
+        rows = _resample_taps(top, height, h, oh, self.antialias, dt)
+        cols = _resample_taps(left, width, w, ow, self.antialias, dt)
+        flat = x.reshape(n, -1, h, w)
+        # Rows, then columns through a transpose: both passes copy contiguous rows.
+        tmp = _resample_rows(flat, *rows, dt).transpose(2, 3).contiguous()
+        out = _resample_rows(tmp, *cols, dt).transpose(2, 3)
+        out = _to_input_dtype(out, x).reshape(*x.shape[:-2], oh, ow)
         return _keep_format(out, x)
 
     def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -618,26 +645,40 @@ class ColorJitter(BatchTransform):
         y = _samples(x).to(dt)
         n = y.shape[0]
         view = (n, 1, 1, 1, 1)
+        inf = torch.tensor(float("inf"), dtype=dt, device=x.device)
         for step in range(3):
             op = order[:, step]
             on = active[op]
+            if c == 1:
+                on = on & (op != 2)  # torchvision leaves 1-channel images alone in adjust_saturation
             if not bool(on.any()):
                 continue
-            ratio = factors.gather(1, op.view(-1, 1)).view(-1).to(dt)
-            rest = (1.0 - factors.gather(1, op.view(-1, 1)).view(-1).double()).to(dt)
-            gray = _gray(y) if c == 3 else y
+            # Every adjustment is a blend y * r + other * (1 - r): other is 0 (brightness),
+            # the mean of the grayscale image (contrast) or the grayscale image (saturation).
+            # Per sample that is y * a + gray * g + d, one fused pass for the whole batch.
+            ratio = factors.gather(1, op.view(-1, 1)).view(-1)
+            rest = (1.0 - ratio.double()).to(dt)
+            ratio = ratio.to(dt)
+            a = torch.where(on, ratio, torch.ones_like(ratio))
+            need_gray = bool(((op != 0) & on).any())
+            out = y * a.view(view)
+            if need_gray:
+                gray = _gray(y) if c == 3 else y
+                if not fp:
+                    gray = gray.floor_()
+                sat = on & (op == 2)
+                con = on & (op == 1)
+                if bool(sat.any()):
+                    out.addcmul_(gray, torch.where(sat, rest, torch.zeros_like(rest)).view(view))
+                if bool(con.any()):
+                    mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
+                    out.addcmul_(mean, torch.where(con, rest, torch.zeros_like(rest)).view(view))
+            # Clamp (and truncate, for integer images) only the samples adjusted at this step.
+            lo = torch.where(on, torch.zeros_like(ratio), -inf).view(view)
+            hi = torch.where(on, torch.full_like(ratio, bound), inf).view(view)
+            y = torch.clamp(out, lo, hi)
             if not fp:
-                gray = gray.floor()
-            mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
-            other = torch.where((op == 0).view(view), torch.zeros_like(mean),
-                                torch.where((op == 1).view(view), mean, gray))
-            if c == 1:
-                # torchvision leaves 1-channel images alone in adjust_saturation.
-                on = on & (op != 2)
-            blended = (y * ratio.view(view) + other * rest.view(view)).clamp_(0, bound)
-            if not fp:
-                blended = blended.trunc_()
-            y = torch.where(on.view(view), blended, y)
+                y = y.trunc_()
         out = y.view(x.shape).to(x.dtype)
         return _keep_format(out, x)
 
