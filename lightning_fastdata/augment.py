@@ -247,9 +247,14 @@ class Compose(BatchTransform):
 _MAX_VALUE = {torch.uint8: 255.0}
 
 
-def _float_range(value: float | Sequence[float], name: str, center: float | None = None,
-                 lower: float = float("-inf"), upper: float = float("inf")) -> tuple[float, float]:
-    """``value`` as (lo, hi): a number means ``center -/+ value`` (or ``-/+ value``); checks bounds."""
+def _float_range(
+    value: float | Sequence[float],
+    name: str,
+    center: float | None = None,
+    lower: float = float("-inf"),
+    upper: float = float("inf"),
+) -> tuple[float, float]:
+    """``value`` as (lo, hi); a number means ``center -/+ value`` (or ``-/+ value``)."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number or a pair (min, max), got {value!r}")
     if isinstance(value, (int, float)):
@@ -265,7 +270,9 @@ def _float_range(value: float | Sequence[float], name: str, center: float | None
             raise ValueError(f"{name} must be a number or a pair (min, max), got {value!r}")
         lo, hi = pair
     if not lower <= lo <= hi <= upper:
-        raise ValueError(f"{name} must be an increasing pair within [{lower}, {upper}], got {value!r}")
+        raise ValueError(
+            f"{name} must be an increasing pair within [{lower}, {upper}], got {value!r}"
+        )
     return lo, hi
 
 
@@ -289,8 +296,14 @@ def _to_input_dtype(y: torch.Tensor, like: torch.Tensor, rounding: bool = True) 
     return y.clamp_(0, bound).to(like.dtype)
 
 
-def _resample_taps(start: torch.Tensor, length: torch.Tensor, in_size: int, out_size: int,
-                   antialias: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _resample_taps(
+    start: torch.Tensor,
+    length: torch.Tensor,
+    in_size: int,
+    out_size: int,
+    antialias: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample bilinear resampling of the window [start, start+length) to ``out_size`` pixels.
 
     Returns ``(index, weight)``, each (N, out_size, K): output pixel i of sample n is
@@ -311,16 +324,20 @@ def _resample_taps(start: torch.Tensor, length: torch.Tensor, in_size: int, out_
     center = scale * (torch.arange(out_size, device=dev, dtype=dtype).view(1, -1) + 0.5)
     xmin = torch.trunc(center - support + 0.5).clamp_(min=0)
     xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
-    pos = xmin.unsqueeze(-1) + torch.arange(k, device=dev, dtype=dtype)            # (N, out, K), local
+    pos = xmin.unsqueeze(-1) + torch.arange(k, device=dev, dtype=dtype)  # (N, out, K), local
     wts = (1.0 - ((pos - center.unsqueeze(-1) + 0.5) * invscale.unsqueeze(-1)).abs()).clamp_(min=0)
     wts = torch.where(pos < xmax.unsqueeze(-1), wts, torch.zeros_like(wts))
     wts = wts / wts.sum(-1, keepdim=True)
-    index = (pos + start.to(dtype).view(-1, 1, 1)).clamp_(max=in_size - 1).long()  # zero-weight taps clamp
+    index = (
+        (pos + start.to(dtype).view(-1, 1, 1)).clamp_(max=in_size - 1).long()
+    )  # zero-weight taps clamp
     return index, wts
 
 
-def _resample_rows(x: torch.Tensor, index: torch.Tensor, wts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Resample the rows (dim 2) of ``x`` (N, M, H, W) with per-sample taps (N, oh, K): (N, M, oh, W).
+def _resample_rows(
+    x: torch.Tensor, index: torch.Tensor, wts: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Resample rows (dim 2) of ``x`` (N, M, H, W) with per-sample taps (N, oh, K).
 
     Each tap copies whole rows with one ``index_select`` (contiguous memory), then adds
     them weighted: K row copies instead of a dense (oh x H) product per sample.
@@ -352,8 +369,13 @@ class RandomResizedCrop(BatchTransform):
         antialias: Antialias when downscaling, as torchvision's default.
     """
 
-    def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
-                 ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0), antialias: bool = True) -> None:
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        scale: Sequence[float] = (0.08, 1.0),
+        ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
+        antialias: bool = True,
+    ) -> None:
         self.size = _pair(size, "size")
         if min(self.size) <= 0:
             raise ValueError(f"size must be > 0, got {size!r}")
@@ -365,8 +387,14 @@ class RandomResizedCrop(BatchTransform):
             raise ValueError(f"ratio must be > 0, got {ratio!r}")
         self.antialias = bool(antialias)
 
-    def draw(self, n: int, height: int, width: int, device: torch.device,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+    def draw(
+        self,
+        n: int,
+        height: int,
+        width: int,
+        device: torch.device,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, ...]:
         """Per-sample crop boxes ``(top, left, height, width)``, int64 tensors of shape (n,)."""
         area = float(height * width)
         u = torch.rand(n, 10, 4, generator=generator, device=device)
@@ -397,8 +425,14 @@ class RandomResizedCrop(BatchTransform):
         left = torch.where(any_ok, left, torch.full_like(left, (width - fw) // 2))
         return top.long(), left.long(), h.long(), w.long()
 
-    def apply(self, x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
-              width: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self,
+        x: torch.Tensor,
+        top: torch.Tensor,
+        left: torch.Tensor,
+        height: torch.Tensor,
+        width: torch.Tensor,
+    ) -> torch.Tensor:
         """``F.resized_crop`` of each sample with its own box, all at once."""
         _check_batch(x, "RandomResizedCrop")
         n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
@@ -419,8 +453,16 @@ class RandomResizedCrop(BatchTransform):
         return self.apply(x, *box)
 
 
-def _inverse_affine(angle: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor, scale: torch.Tensor,
-                    shx: torch.Tensor, shy: torch.Tensor, cx: float, cy: float) -> torch.Tensor:
+def _inverse_affine(
+    angle: torch.Tensor,
+    tx: torch.Tensor,
+    ty: torch.Tensor,
+    scale: torch.Tensor,
+    shx: torch.Tensor,
+    shy: torch.Tensor,
+    cx: float,
+    cy: float,
+) -> torch.Tensor:
     """Batched ``torchvision ... _get_inverse_affine_matrix`` (inverted=True): (N, 2, 3)."""
     rot, sx, sy = torch.deg2rad(angle), torch.deg2rad(shx), torch.deg2rad(shy)
     cos_sy, tan_sx = torch.cos(sy), torch.tan(sx)
@@ -444,15 +486,23 @@ def _fill_values(fill: float | Sequence[float], name: str) -> list[float]:
     return values
 
 
-def _affine_batch(x: torch.Tensor, matrix: torch.Tensor, interpolation: str, fill: list[float]) -> torch.Tensor:
-    """torchvision's ``_affine_grid`` + ``_apply_grid_transform`` with one matrix per sample, one grid_sample."""
+def _affine_batch(
+    x: torch.Tensor, matrix: torch.Tensor, interpolation: str, fill: list[float]
+) -> torch.Tensor:
+    """torchvision's ``_affine_grid`` + ``_apply_grid_transform``, one matrix per sample."""
     n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
     c = x.shape[-3]
     dt = _compute_dtype(x)
     dev = x.device
     base = torch.empty(1, h, w, 3, dtype=dt, device=dev)
-    base[..., 0].copy_(torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=dev, dtype=dt))
-    base[..., 1].copy_(torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=dev, dtype=dt).unsqueeze(-1))
+    base[..., 0].copy_(
+        torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=dev, dtype=dt)
+    )
+    base[..., 1].copy_(
+        torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=dev, dtype=dt).unsqueeze(
+            -1
+        )
+    )
     base[..., 2].fill_(1)
     theta = matrix.to(dt).transpose(1, 2) / torch.tensor([0.5 * w, 0.5 * h], dtype=dt, device=dev)
     grid = base.view(1, h * w, 3).expand(n, -1, -1).bmm(theta).view(n, h, w, 2)
@@ -495,15 +545,23 @@ class RandomAffine(BatchTransform):
         center: Rotation center (x, y) in pixels; default the image center.
     """
 
-    def __init__(self, degrees: float | Sequence[float], translate: Sequence[float] | None = None,
-                 scale: Sequence[float] | None = None, shear: float | Sequence[float] | None = None,
-                 interpolation: str = "nearest", fill: float | Sequence[float] = 0.0,
-                 center: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        degrees: float | Sequence[float],
+        translate: Sequence[float] | None = None,
+        scale: Sequence[float] | None = None,
+        shear: float | Sequence[float] | None = None,
+        interpolation: str = "nearest",
+        fill: float | Sequence[float] = 0.0,
+        center: Sequence[float] | None = None,
+    ) -> None:
         self.degrees = _float_range(degrees, "degrees")
         if translate is not None:
             translate = tuple(float(t) for t in translate)
             if len(translate) != 2 or not all(0.0 <= t <= 1.0 for t in translate):
-                raise ValueError(f"translate must be a pair (fx, fy) with values in [0, 1], got {translate!r}")
+                raise ValueError(
+                    f"translate must be a pair (fx, fy) with values in [0, 1], got {translate!r}"
+                )
         self.translate = translate
         if scale is not None:
             scale = _float_range(scale, "scale", lower=0.0)
@@ -523,7 +581,9 @@ class RandomAffine(BatchTransform):
                 shear = vals
         self.shear = shear
         if interpolation not in _INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}")
+            raise ValueError(
+                f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}"
+            )
         self.interpolation = interpolation
         self.fill = _fill_values(fill, "fill")
         if center is not None:
@@ -532,23 +592,42 @@ class RandomAffine(BatchTransform):
                 raise ValueError(f"center must be a pair (x, y), got {center!r}")
         self.center = center
 
-    def draw(self, n: int, height: int, width: int, device: torch.device,
-             generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-        """Per-sample ``angle``, ``tx``, ``ty``, ``scale``, ``shear_x``, ``shear_y`` (float tensors (n,))."""
-        u = torch.rand(6, n, generator=generator, device=device, dtype=torch.float64
-                       if device.type != "mps" else torch.float32)
+    def draw(
+        self,
+        n: int,
+        height: int,
+        width: int,
+        device: torch.device,
+        generator: torch.Generator | None,
+    ) -> dict[str, torch.Tensor]:
+        """Per-sample ``angle``, ``tx``, ``ty``, ``scale``, ``shear_x``, ``shear_y``, each (n,)."""
+        u = torch.rand(
+            6,
+            n,
+            generator=generator,
+            device=device,
+            dtype=torch.float64 if device.type != "mps" else torch.float32,
+        )
         lerp = lambda lo, hi, v: lo + (hi - lo) * v  # noqa: E731
         out = {"angle": lerp(*self.degrees, u[0])}
         zero, one = torch.zeros_like(u[0]), torch.ones_like(u[0])
         if self.translate is not None:
             mx, my = float(self.translate[0] * width), float(self.translate[1] * height)
-            out["tx"], out["ty"] = torch.round(lerp(-mx, mx, u[1])), torch.round(lerp(-my, my, u[2]))
+            out["tx"], out["ty"] = (
+                torch.round(lerp(-mx, mx, u[1])),
+                torch.round(lerp(-my, my, u[2])),
+            )
         else:
             out["tx"], out["ty"] = zero, zero
         out["scale"] = lerp(*self.scale, u[3]) if self.scale is not None else one
-        out["shear_x"] = lerp(self.shear[0], self.shear[1], u[4]) if self.shear is not None else zero
-        out["shear_y"] = lerp(self.shear[2], self.shear[3], u[5]) if self.shear is not None and len(
-            self.shear) == 4 else zero
+        out["shear_x"] = (
+            lerp(self.shear[0], self.shear[1], u[4]) if self.shear is not None else zero
+        )
+        out["shear_y"] = (
+            lerp(self.shear[2], self.shear[3], u[5])
+            if self.shear is not None and len(self.shear) == 4
+            else zero
+        )
         return out
 
     def _center(self, height: int, width: int) -> tuple[float, float]:
@@ -556,8 +635,16 @@ class RandomAffine(BatchTransform):
             return 0.0, 0.0
         return self.center[0] - width * 0.5, self.center[1] - height * 0.5
 
-    def apply(self, x: torch.Tensor, angle: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor,
-              scale: torch.Tensor, shear_x: torch.Tensor, shear_y: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self,
+        x: torch.Tensor,
+        angle: torch.Tensor,
+        tx: torch.Tensor,
+        ty: torch.Tensor,
+        scale: torch.Tensor,
+        shear_x: torch.Tensor,
+        shear_y: torch.Tensor,
+    ) -> torch.Tensor:
         """``F.affine`` of each sample with its own parameters, all at once."""
         _check_batch(x, type(self).__name__)
         cx, cy = self._center(x.shape[-2], x.shape[-1])
@@ -581,8 +668,13 @@ class RandomRotation(RandomAffine):
         center: Rotation center (x, y) in pixels; default the image center.
     """
 
-    def __init__(self, degrees: float | Sequence[float], interpolation: str = "nearest",
-                 fill: float | Sequence[float] = 0.0, center: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        degrees: float | Sequence[float],
+        interpolation: str = "nearest",
+        fill: float | Sequence[float] = 0.0,
+        center: Sequence[float] | None = None,
+    ) -> None:
         super().__init__(degrees, interpolation=interpolation, fill=fill, center=center)
 
     def apply_angle(self, x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
@@ -611,16 +703,21 @@ class ColorJitter(BatchTransform):
 
     _NAMES = ("brightness", "contrast", "saturation")
 
-    def __init__(self, brightness: float | Sequence[float] | None = None,
-                 contrast: float | Sequence[float] | None = None,
-                 saturation: float | Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        brightness: float | Sequence[float] | None = None,
+        contrast: float | Sequence[float] | None = None,
+        saturation: float | Sequence[float] | None = None,
+    ) -> None:
         ranges = []
-        for name, value in zip(self._NAMES, (brightness, contrast, saturation)):
+        for name, value in zip(self._NAMES, (brightness, contrast, saturation), strict=True):
             r = None if value is None else _float_range(value, name, center=1.0, lower=0.0)
             ranges.append(None if r == (1.0, 1.0) else r)
         self.brightness, self.contrast, self.saturation = ranges
 
-    def draw(self, n: int, device: torch.device, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(
+        self, n: int, device: torch.device, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample ``(order, factors)``: order (n, 3) a permutation of 0..2 (brightness,
         contrast, saturation), factors (n, 3) float32, 1.0 for adjustments that are off."""
         u = torch.rand(n, 6, generator=generator, device=device)
@@ -632,13 +729,15 @@ class ColorJitter(BatchTransform):
         return order, factors
 
     def apply(self, x: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-        """The adjustments of ``F.adjust_brightness/contrast/saturation`` per sample, in each sample's order."""
+        """``F.adjust_brightness/contrast/saturation`` per sample, in each sample's order."""
         _check_batch(x, "ColorJitter")
         c = x.shape[-3]
         if c not in (1, 3):
             raise ValueError(f"ColorJitter needs 1 or 3 channels, the batch has {c}")
-        active = torch.tensor([r is not None for r in (self.brightness, self.contrast, self.saturation)],
-                              device=x.device)
+        active = torch.tensor(
+            [r is not None for r in (self.brightness, self.contrast, self.saturation)],
+            device=x.device,
+        )
         fp = x.is_floating_point()
         bound = 1.0 if fp else _MAX_VALUE.get(x.dtype, float(torch.iinfo(x.dtype).max))
         dt = _compute_dtype(x)
@@ -650,7 +749,9 @@ class ColorJitter(BatchTransform):
             op = order[:, step]
             on = active[op]
             if c == 1:
-                on = on & (op != 2)  # torchvision leaves 1-channel images alone in adjust_saturation
+                on = on & (
+                    op != 2
+                )  # torchvision leaves 1-channel images alone in adjust_saturation
             if not bool(on.any()):
                 continue
             # Every adjustment is a blend y * r + other * (1 - r): other is 0 (brightness),
@@ -694,7 +795,7 @@ def _gray(y: torch.Tensor) -> torch.Tensor:
 
 
 class RandomErasing(BatchTransform):
-    """Erase a random rectangle of each sample with probability ``p`` (torchvision's ``RandomErasing``).
+    """Erase a random rectangle of each sample with probability ``p`` (as torchvision).
 
     Args:
         p: Probability of erasing a sample, in [0, 1].
@@ -704,8 +805,13 @@ class RandomErasing(BatchTransform):
             noise per pixel (float batches only).
     """
 
-    def __init__(self, p: float = 0.5, scale: Sequence[float] = (0.02, 0.33),
-                 ratio: Sequence[float] = (0.3, 3.3), value: float | Sequence[float] | str = 0.0) -> None:
+    def __init__(
+        self,
+        p: float = 0.5,
+        scale: Sequence[float] = (0.02, 0.33),
+        ratio: Sequence[float] = (0.3, 3.3),
+        value: float | Sequence[float] | str = 0.0,
+    ) -> None:
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"p must be in [0, 1], got {p}")
         self.p = p
@@ -715,13 +821,21 @@ class RandomErasing(BatchTransform):
             raise ValueError(f"ratio must be > 0, got {ratio!r}")
         if isinstance(value, str):
             if value != "random":
-                raise ValueError(f"value must be a number, one per channel, or 'random', got {value!r}")
+                raise ValueError(
+                    f"value must be a number, one per channel, or 'random', got {value!r}"
+                )
             self.value: list[float] | str = value
         else:
             self.value = _fill_values(value, "value")
 
-    def draw(self, n: int, height: int, width: int, device: torch.device,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+    def draw(
+        self,
+        n: int,
+        height: int,
+        width: int,
+        device: torch.device,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, ...]:
         """Per-sample ``(erase, top, left, h, w)``: erase is bool (n,), the box int64 (n,)."""
         area = float(height * width)
         u = torch.rand(n, 10, 4, generator=generator, device=device)
@@ -739,8 +853,16 @@ class RandomErasing(BatchTransform):
         left = torch.floor(uj * (width - w + 1)).clamp_(max=width - w)
         return coin & ok.any(dim=1), top.long(), left.long(), h.long(), w.long()
 
-    def apply(self, x: torch.Tensor, erase: torch.Tensor, top: torch.Tensor, left: torch.Tensor,
-              h: torch.Tensor, w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def apply(
+        self,
+        x: torch.Tensor,
+        erase: torch.Tensor,
+        top: torch.Tensor,
+        left: torch.Tensor,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """``F.erase`` of each sample's box (where ``erase``), all at once."""
         _check_batch(x, "RandomErasing")
         n, c, hh, ww = x.shape[0], x.shape[-3], x.shape[-2], x.shape[-1]
@@ -749,15 +871,22 @@ class RandomErasing(BatchTransform):
         cols = torch.arange(ww, device=dev).view(1, -1)
         in_r = (rows >= top.view(-1, 1)) & (rows < (top + h).view(-1, 1))
         in_c = (cols >= left.view(-1, 1)) & (cols < (left + w).view(-1, 1))
-        box = (in_r.view(n, hh, 1) & in_c.view(n, 1, ww) & erase.view(n, 1, 1)).view(n, 1, 1, hh, ww)
+        box = (in_r.view(n, hh, 1) & in_c.view(n, 1, ww) & erase.view(n, 1, 1)).view(
+            n, 1, 1, hh, ww
+        )
         xs = _samples(x)
         if self.value == "random":
             if not x.is_floating_point():
-                raise ValueError("RandomErasing(value='random') needs a float batch; convert with ToDtype first")
+                raise ValueError(
+                    "RandomErasing(value='random') needs a float batch; convert with ToDtype first"
+                )
             fill = torch.randn((n, 1, c, hh, ww), generator=generator, device=dev).to(x.dtype)
         else:
             if len(self.value) not in (1, c):
-                raise ValueError(f"value has {len(self.value)} numbers, the batch has {c} channels; give 1 or {c}")
+                raise ValueError(
+                    f"value has {len(self.value)} numbers, the batch has {c} channels; "
+                    f"give 1 or {c}"
+                )
             fill = torch.tensor(self.value, device=dev).view(1, 1, -1, 1, 1).to(x.dtype)
         out = torch.where(box, fill, xs).view(x.shape)
         return _keep_format(out, x)
@@ -787,8 +916,12 @@ class GaussianNoise(BatchTransform):
 
     def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         _check_batch(x, "GaussianNoise")
-        noise = torch.randn(x.shape, generator=generator, device=x.device,
-                            dtype=x.dtype if x.is_floating_point() else torch.float32)
+        noise = torch.randn(
+            x.shape,
+            generator=generator,
+            device=x.device,
+            dtype=x.dtype if x.is_floating_point() else torch.float32,
+        )
         if x.is_floating_point():
             out = x + (self.mean + noise * self.sigma)
             if self.clip:
@@ -837,6 +970,9 @@ class RandomApply(BatchTransform):
         for t in self.transforms:
             sub = t(sub, generator)
         if sub.shape[1:] != x.shape[1:] or sub.dtype != x.dtype:
-            raise ValueError(f"RandomApply needs shape- and dtype-preserving transforms: got {tuple(sub.shape[1:])} "
-                             f"{sub.dtype} from {tuple(x.shape[1:])} {x.dtype}; put resizing ops outside RandomApply")
+            raise ValueError(
+                f"RandomApply needs shape- and dtype-preserving transforms: got "
+                f"{tuple(sub.shape[1:])} {sub.dtype} from {tuple(x.shape[1:])} {x.dtype}; "
+                "put resizing ops outside RandomApply"
+            )
         return x.clone().index_copy_(0, idx, sub)  # clone keeps channels_last

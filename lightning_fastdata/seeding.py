@@ -58,7 +58,9 @@ def derive_seed(
         tag = 1000 + zlib.crc32(stream.encode())
     keys = [tag, rank, worker, epoch, step]
     if min(keys) < 0:
-        raise ValueError(f"seed keys must be >= 0, got rank={rank} worker={worker} epoch={epoch} step={step}")
+        raise ValueError(
+            f"seed keys must be >= 0, got rank={rank} worker={worker} epoch={epoch} step={step}"
+        )
     state = np.random.SeedSequence(entropy=seed, spawn_key=keys).generate_state(2, np.uint64)
     return int(state[0] >> np.uint64(1))
 
@@ -97,8 +99,13 @@ class WorkerSeeding:
         epoch: Initial epoch (None: not set yet).
     """
 
-    def __init__(self, seed: int, rank: int = 0, user_fn: Callable[[int], None] | None = None,
-                 epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        rank: int = 0,
+        user_fn: Callable[[int], None] | None = None,
+        epoch: int | None = None,
+    ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -126,7 +133,7 @@ class WorkerSeeding:
         self._epoch[0] = epoch
 
     def follow(self, sampler: Any) -> None:
-        """Mirror every ``sampler.set_epoch(e)`` call (Lightning makes one per epoch) into this seeding."""
+        """Mirror every ``sampler.set_epoch(e)`` (Lightning calls it each epoch) here."""
         original = getattr(sampler, "set_epoch", None)
         if not callable(original):
             raise TypeError(f"{type(sampler).__name__} has no set_epoch to follow")
@@ -147,9 +154,16 @@ class WorkerSeeding:
     def worker_seed(self, worker_id: int, epoch: int | None = None, base_seed: int = 0) -> int:
         """The seed of ``worker_id`` for ``epoch``; with no epoch, for torch's ``base_seed``."""
         if epoch is None:
-            return derive_seed(self.seed, stream="worker-unset-epoch", rank=self.rank, worker=worker_id,
-                               step=base_seed)
-        return derive_seed(self.seed, stream="worker", rank=self.rank, worker=worker_id, epoch=epoch)
+            return derive_seed(
+                self.seed,
+                stream="worker-unset-epoch",
+                rank=self.rank,
+                worker=worker_id,
+                step=base_seed,
+            )
+        return derive_seed(
+            self.seed, stream="worker", rank=self.rank, worker=worker_id, epoch=epoch
+        )
 
     def _reseed(self) -> None:
         raw = int(_WORKER["epoch_view"][0])
@@ -160,8 +174,12 @@ class WorkerSeeding:
     def __call__(self, worker_id: int) -> None:
         info = get_worker_info()
         _WORKER.clear()
-        _WORKER.update(seeding=self, worker=worker_id, epoch_view=self._epoch.numpy(),
-                       base_seed=info.seed if info is not None else 0)
+        _WORKER.update(
+            seeding=self,
+            worker=worker_id,
+            epoch_view=self._epoch.numpy(),
+            base_seed=info.seed if info is not None else 0,
+        )
         self._reseed()
         if info is not None:
             _reseed_on_epoch_change(info.dataset)
@@ -169,7 +187,10 @@ class WorkerSeeding:
             self.user_fn(worker_id)
 
     def __repr__(self) -> str:
-        return f"WorkerSeeding(seed={self.seed}, rank={self.rank}, epoch={self.epoch}, user_fn={self.user_fn!r})"
+        return (
+            f"WorkerSeeding(seed={self.seed}, rank={self.rank}, epoch={self.epoch}, "
+            f"user_fn={self.user_fn!r})"
+        )
 
 
 def _maybe_reseed() -> None:
@@ -188,20 +209,28 @@ def _reseeding_class(cls: type) -> type:
     if sub is not None:
         return sub
     ns: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    if issubclass(cls, IterableDataset) or (hasattr(cls, "__iter__") and not hasattr(cls, "__getitem__")):
+    if issubclass(cls, IterableDataset) or (
+        hasattr(cls, "__iter__") and not hasattr(cls, "__getitem__")
+    ):
+
         def __iter__(self: Any) -> Any:
             _maybe_reseed()
             return cls.__iter__(self)
+
         ns["__iter__"] = __iter__
     if hasattr(cls, "__getitem__"):
+
         def __getitem__(self: Any, index: Any) -> Any:
             _maybe_reseed()
             return cls.__getitem__(self, index)
+
         ns["__getitem__"] = __getitem__
     if hasattr(cls, "__getitems__"):
+
         def __getitems__(self: Any, indices: Any) -> Any:
             _maybe_reseed()
             return cls.__getitems__(self, indices)  # type: ignore[attr-defined]
+
         ns["__getitems__"] = __getitems__
     sub = type(cls.__name__, (cls,), ns)
     _SUBCLASSES[cls] = sub
@@ -217,13 +246,15 @@ def _reseed_on_epoch_change(dataset: Any) -> None:
     try:
         dataset.__class__ = _reseeding_class(type(dataset))
     except TypeError as e:
-        warnings.warn(f"lightning_fastdata: a {type(dataset).__name__} dataset cannot be wrapped ({e}); "
-                      "persistent workers will not reseed per epoch, their streams continue instead",
-                      stacklevel=2)
+        warnings.warn(
+            f"lightning_fastdata: a {type(dataset).__name__} dataset cannot be wrapped ({e}); "
+            "persistent workers will not reseed per epoch, their streams continue instead",
+            stacklevel=2,
+        )
 
 
 def _torch_loader(dataloader: Any) -> DataLoader | None:
-    """The ``torch.utils.data.DataLoader`` behind ``dataloader`` (the package's WorkerLoader wraps one)."""
+    """The ``torch.utils.data.DataLoader`` behind ``dataloader`` (a WorkerLoader wraps one)."""
     if isinstance(dataloader, DataLoader):
         return dataloader
     inner = getattr(dataloader, "dataloader", None)
@@ -231,7 +262,7 @@ def _torch_loader(dataloader: Any) -> DataLoader | None:
 
 
 def install_worker_seeding(dataloader: Any, seed: int, rank: int) -> bool:
-    """Install :class:`WorkerSeeding` as ``dataloader.worker_init_fn``, chaining the user's function.
+    """Install :class:`WorkerSeeding` as ``dataloader.worker_init_fn``, chaining the user's.
 
     Nothing is installed in a loader without workers, or one already seeded by this
     package. When the loader's sampler has ``set_epoch`` (``DistributedSampler``, which
@@ -249,7 +280,10 @@ def install_worker_seeding(dataloader: Any, seed: int, rank: int) -> bool:
     if dl is None or dl.num_workers == 0 or isinstance(dl.worker_init_fn, WorkerSeeding):
         return False
     seeding = WorkerSeeding(seed, rank, user_fn=dl.worker_init_fn)
-    for sampler in (getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
+    for sampler in (
+        getattr(dl, "sampler", None),
+        getattr(getattr(dl, "batch_sampler", None), "sampler", None),
+    ):
         if callable(getattr(sampler, "set_epoch", None)):
             seeding.follow(sampler)
             break
@@ -258,7 +292,7 @@ def install_worker_seeding(dataloader: Any, seed: int, rank: int) -> bool:
 
 
 def set_worker_epoch(dataloader: Any, epoch: int) -> bool:
-    """Tell the workers of ``dataloader`` which epoch comes next; False when it has no :class:`WorkerSeeding`."""
+    """Tell the loader's workers the next epoch; False without a :class:`WorkerSeeding`."""
     dl = _torch_loader(dataloader)
     fn = getattr(dl, "worker_init_fn", None)
     if not isinstance(fn, WorkerSeeding):
@@ -281,7 +315,9 @@ def _held_generators(obj: Any, path: str, depth: int, seen: set[int]) -> list[st
         items: list[tuple[str, Any]] = [(f"{path}[{i}]", v) for i, v in enumerate(obj[:32])]
     elif isinstance(obj, dict):
         items = [(f"{path}[{k!r}]", v) for k, v in list(obj.items())[:32]]
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.Tensor, np.ndarray, torch.nn.Module)):
+    elif hasattr(obj, "__dict__") and not isinstance(
+        obj, (type, torch.Tensor, np.ndarray, torch.nn.Module)
+    ):
         items = [(f"{path}.{k}", v) for k, v in list(vars(obj).items())[:64]]
     else:
         return []
@@ -310,19 +346,28 @@ def randomness_repeats(dataloader: Any) -> str | None:
         return None
     held = _held_generators(dl.dataset, "dataset", depth=3, seen=set())
     if held:
-        return (f"{held[0]} is a random generator object: every DataLoader worker gets a copy in the same "
-                "state and no worker_init_fn reseeds it, so workers (and, without persistent workers, epochs) "
-                "repeat the same draws; draw from torch, numpy or random's global functions instead, which "
-                "are reseeded per worker, rank and epoch")
+        return (
+            f"{held[0]} is a random generator object: every DataLoader worker gets a copy in the "
+            "same state and no worker_init_fn reseeds it, so workers (and, without persistent "
+            "workers, epochs) repeat the same draws; draw from torch, numpy or random's global "
+            "functions instead, which "
+            "are reseeded per worker, rank and epoch"
+        )
     fn = dl.worker_init_fn
     if isinstance(fn, WorkerSeeding):
         return None
     from lightning_fastdata import distributed as D
 
-    if D.world_size() > 1 and (os.environ.get("PL_GLOBAL_SEED") is not None or dl.generator is not None):
+    if D.world_size() > 1 and (
+        os.environ.get("PL_GLOBAL_SEED") is not None or dl.generator is not None
+    ):
         what = "its generator" if dl.generator is not None else "seed_everything"
-        return (f"under DDP the workers of every rank get the same seeds ({what} makes the generator torch "
-                "seeds workers from identical on all ranks), so all ranks draw the same augmentations; "
-                "install lightning_fastdata's worker seeding (install_worker_seeding) or a worker_init_fn "
-                "that mixes in the global rank")
+        return (
+            f"under DDP the workers of every rank get the same seeds ({what} makes the generator "
+            "torch "
+            "seeds workers from identical on all ranks), so all ranks draw the same augmentations; "
+            "install lightning_fastdata's worker seeding (install_worker_seeding) or a "
+            "worker_init_fn "
+            "that mixes in the global rank"
+        )
     return None

@@ -13,7 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    get_worker_info,
+)
 
 from lightning_fastdata import seeding as S
 
@@ -32,18 +38,35 @@ class Draws(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         info = get_worker_info()
-        return torch.tensor([info.id if info else -1, *torch.rand(2, dtype=torch.float64).tolist(),
-                             *np.random.rand(2).tolist(), random.random(), random.random()], dtype=torch.float64)
+        return torch.tensor(
+            [
+                info.id if info else -1,
+                *torch.rand(2, dtype=torch.float64).tolist(),
+                *np.random.rand(2).tolist(),
+                random.random(),
+                random.random(),
+            ],
+            dtype=torch.float64,
+        )
 
 
 class IterDraws(IterableDataset):
     def __iter__(self):
-        yield torch.tensor([get_worker_info().id, torch.rand(1).item(), np.random.rand(), random.random()])
+        yield torch.tensor(
+            [get_worker_info().id, torch.rand(1).item(), np.random.rand(), random.random()]
+        )
 
 
 def _loader(dataset, workers: int, persistent: bool, **kw) -> DataLoader:
-    return DataLoader(dataset, batch_size=1, shuffle=False, num_workers=workers, persistent_workers=persistent,
-                      multiprocessing_context="fork", **kw)
+    return DataLoader(
+        dataset,
+        batch_size=1,
+        shuffle=False,
+        num_workers=workers,
+        persistent_workers=persistent,
+        multiprocessing_context="fork",
+        **kw,
+    )
 
 
 def _epoch_by_worker(dl: DataLoader) -> dict[int, torch.Tensor]:
@@ -125,8 +148,10 @@ class UserDraw(Dataset):
         return 2
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([get_worker_info().id, float(os.environ.get("LFD_TEST_USER_DRAW", "nan"))],
-                            dtype=torch.float64)
+        return torch.tensor(
+            [get_worker_info().id, float(os.environ.get("LFD_TEST_USER_DRAW", "nan"))],
+            dtype=torch.float64,
+        )
 
 
 def test_user_worker_init_fn_still_runs_after_the_seeding():
@@ -138,7 +163,9 @@ def test_user_worker_init_fn_still_runs_after_the_seeding():
     seeding = dl.worker_init_fn
     for wid, value in rows.tolist():
         S.seed_libraries(seeding.worker_seed(int(wid), 4))
-        assert value == random.random(), "the user's function did not run, or ran before the seeding"
+        assert value == random.random(), (
+            "the user's function did not run, or ran before the seeding"
+        )
 
 
 def test_install_only_where_useful_and_only_once():
@@ -222,8 +249,16 @@ def _datamodule_epochs(tmp_path: Path) -> list[torch.Tensor]:
         def source(self, split):
             return RandomSource() if split == "train" else None
 
-    dm = DM(store=False, strategy="workers", num_workers=2, persistent_workers=True, batch_size=2, seed=9,
-            shuffle=False, cache_dir=str(tmp_path / "cache"))
+    dm = DM(
+        store=False,
+        strategy="workers",
+        num_workers=2,
+        persistent_workers=True,
+        batch_size=2,
+        seed=9,
+        shuffle=False,
+        cache_dir=str(tmp_path / "cache"),
+    )
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert isinstance(loader.dataloader.worker_init_fn, S.WorkerSeeding)
@@ -262,7 +297,8 @@ _DDP_SCRIPT = textwrap.dedent('''
         def source(self, split):
             return Same() if split == "train" else None
 
-    aug = A.Compose([A.RandomResizedCrop(12), A.RandomHorizontalFlip(), A.ColorJitter(0.4, 0.4, 0.4),
+    aug = A.Compose([A.RandomResizedCrop(12), A.RandomHorizontalFlip(),
+                     A.ColorJitter(0.4, 0.4, 0.4),
                      A.Normalize([0.5] * 3, [0.25] * 3)])
     dm = DM(strategy="device", device="cpu", batch_size=4, seed=11, train_augment=aug,
             cache_dir={cache!r})
@@ -282,15 +318,36 @@ def _free_port() -> int:
 def _ddp_run(tmp_path: Path, tag: str) -> list[torch.Tensor]:
     out = str(tmp_path / f"{tag}-rank{{}}.pt")
     script = tmp_path / f"{tag}.py"
-    script.write_text(_DDP_SCRIPT.format(tests=str(Path(__file__).parent), cache=str(tmp_path / f"cache-{tag}"),
-                                         root=str(tmp_path / tag), out=out))
+    script.write_text(
+        _DDP_SCRIPT.format(
+            tests=str(Path(__file__).parent),
+            cache=str(tmp_path / f"cache-{tag}"),
+            root=str(tmp_path / tag),
+            out=out,
+        )
+    )
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                   RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            NODE_RANK="0",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     logs = []
     try:
         for p in procs:
@@ -312,7 +369,9 @@ def test_ddp_ranks_augment_differently_and_reproducibly(tmp_path):
     assert r0.shape == r1.shape == (4, 4, 3, 12, 12)  # 2 epochs x 2 batches per rank
     for b in range(r0.shape[0]):
         for i in range(r0.shape[1]):
-            assert not torch.equal(r0[b, i], r1[b, i]), f"ranks augmented batch {b} sample {i} identically"
+            assert not torch.equal(r0[b, i], r1[b, i]), (
+                f"ranks augmented batch {b} sample {i} identically"
+            )
     assert not torch.equal(r0[:2], r0[2:]), "epoch 2 repeated epoch 1"
     second = _ddp_run(tmp_path, "b")
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
