@@ -745,37 +745,34 @@ class ColorJitter(BatchTransform):
         n = y.shape[0]
         view = (n, 1, 1, 1, 1)
         inf = torch.tensor(float("inf"), dtype=dt, device=x.device)
+        # Decided on the host from the configuration: no device sync inside the loop.
+        use_contrast = self.contrast is not None
+        use_saturation = self.saturation is not None and c == 3
         for step in range(3):
             op = order[:, step]
             on = active[op]
             if c == 1:
-                on = on & (
-                    op != 2
-                )  # torchvision leaves 1-channel images alone in adjust_saturation
-            if not bool(on.any()):
-                continue
+                # torchvision leaves 1-channel images alone in adjust_saturation.
+                on = on & (op != 2)
             # Every adjustment is a blend y * r + other * (1 - r): other is 0 (brightness),
             # the mean of the grayscale image (contrast) or the grayscale image (saturation).
-            # Per sample that is y * a + gray * g + d, one fused pass for the whole batch.
+            # Per sample that is y * a + gray * g + mean * m: fused passes for the whole batch.
             ratio = factors.gather(1, op.view(-1, 1)).view(-1)
             rest = (1.0 - ratio.double()).to(dt)
             ratio = ratio.to(dt)
-            a = torch.where(on, ratio, torch.ones_like(ratio))
-            need_gray = bool(((op != 0) & on).any())
-            out = y * a.view(view)
-            if need_gray:
+            zero = torch.zeros_like(rest)
+            out = y * torch.where(on, ratio, torch.ones_like(ratio)).view(view)
+            if use_contrast or use_saturation:
                 gray = _gray(y) if c == 3 else y
                 if not fp:
-                    gray = gray.floor_()
-                sat = on & (op == 2)
-                con = on & (op == 1)
-                if bool(sat.any()):
-                    out.addcmul_(gray, torch.where(sat, rest, torch.zeros_like(rest)).view(view))
-                if bool(con.any()):
+                    gray = gray.floor()
+                if use_saturation:
+                    out.addcmul_(gray, torch.where(on & (op == 2), rest, zero).view(view))
+                if use_contrast:
                     mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
-                    out.addcmul_(mean, torch.where(con, rest, torch.zeros_like(rest)).view(view))
+                    out.addcmul_(mean, torch.where(on & (op == 1), rest, zero).view(view))
             # Clamp (and truncate, for integer images) only the samples adjusted at this step.
-            lo = torch.where(on, torch.zeros_like(ratio), -inf).view(view)
+            lo = torch.where(on, zero, -inf).view(view)
             hi = torch.where(on, torch.full_like(ratio, bound), inf).view(view)
             y = torch.clamp(out, lo, hi)
             if not fp:
