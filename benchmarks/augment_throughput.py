@@ -8,7 +8,7 @@ on ``--device`` (default: CUDA if present, else the CPU); the baseline is the sa
 ``num_workers`` in {0, 1, 2}. Each figure is the median of ``--repeats`` timed passes
 after a warm-up pass.
 
-    python benchmarks/augment_throughput.py [--device cpu] [--repeats 5] [--quick]
+    python benchmarks/augment_throughput.py [--device cpu] [--repeats 5] [--threads N] [--quick]
 
 Writes ``benchmarks/results/augment_throughput.json`` and prints a table.
 """
@@ -121,6 +121,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads in the main process (0: torch's default)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="fewer samples, 2 repeats: checks the script runs"
     )
     parser.add_argument(
@@ -128,6 +134,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
     configs = [
         ("cifar", 32, 4096 if not args.quick else 1024, 256),

@@ -249,6 +249,24 @@ def test_leading_dims_share_the_sample_draw(op):
     assert torch.allclose(out[:, 0], op(frame, _gen(5)), atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        A.RandomResizedCrop(12),
+        A.RandomAffine(20, interpolation="bilinear"),
+        A.ColorJitter(0.4, 0.4, 0.4),
+    ],
+    ids=lambda o: type(o).__name__,
+)
+def test_cpu_chunking_changes_nothing(op, monkeypatch):
+    x = _images(7, shape=(3, 16, 16)).contiguous(memory_format=torch.channels_last)
+    whole = op(x, _gen(12))
+    monkeypatch.setattr(A, "_CPU_CHUNK_ELEMENTS", 2 * x[0].numel())  # chunks of 2 samples
+    chunked = op(x, _gen(12))
+    assert torch.equal(whole, chunked)
+    assert chunked.is_contiguous(memory_format=torch.channels_last)
+
+
 # ----------------------------------------------------------------------------- distributions
 
 
