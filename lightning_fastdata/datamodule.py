@@ -30,7 +30,7 @@ from lightning_fastdata.loaders import (
 )
 from lightning_fastdata.placement import place
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
-from lightning_fastdata.seeding import derive_seed
+from lightning_fastdata.seeding import WorkerSeeding, derive_seed
 from lightning_fastdata.store import (
     Store,
     StoreError,
@@ -321,7 +321,7 @@ class OptimizedDataModule(L.LightningDataModule):
         else:
             p = self.plan
             kwargs = dict(num_workers=p.num_workers, pin_memory=p.pin_memory, prefetch_factor=p.prefetch_factor,
-                          persistent_workers=p.persistent_workers, worker_init_fn=self._worker_init_fn())
+                          persistent_workers=p.persistent_workers, worker_init_fn=self._worker_init_fn(order))
             if split in self.stores:
                 loader = WorkerLoader(order, store=self.stores[split], **kwargs)
             else:
@@ -329,8 +329,13 @@ class OptimizedDataModule(L.LightningDataModule):
         self._loaders[split] = loader
         return loader
 
-    def _worker_init_fn(self) -> Any:
-        return None
+    def _worker_init_fn(self, order: ShardedOrder | None = None) -> WorkerSeeding:
+        """Workers seeded per (seed, rank, worker, epoch); the epoch follows ``order.set_epoch``."""
+        rank, _ = self._rank_world()
+        seeding = WorkerSeeding(self.seed, rank)
+        if order is not None:
+            seeding.follow(order)
+        return seeding
 
     def train_dataloader(self) -> Any:
         """The training loader for the planned strategy."""
