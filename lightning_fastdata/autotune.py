@@ -90,17 +90,16 @@ def time_loader(loader: Iterable[Any], device: torch.device | str = "cpu", batch
 
 
 def shutdown_workers(loader: Any) -> None:
-    """Stop the worker processes a loader keeps (persistent workers), now rather than at exit.
-
-    A ``WorkerLoader`` and its batch sampler reference each other, so dropping the last
-    reference does not stop persistent workers until the cycle collector runs.
-    """
-    dataloader = getattr(loader, "dataloader", loader)
-    it = getattr(dataloader, "_iterator", None)
+    """Stop the worker processes a loader keeps (persistent workers), now rather than at exit."""
+    close = getattr(loader, "close", None)
+    if callable(close):
+        close()
+        return
+    it = getattr(loader, "_iterator", None)
     stop = getattr(it, "_shutdown_workers", None)
     if stop is not None:
         stop()
-        dataloader._iterator = None
+        loader._iterator = None
 
 
 def _len_or(loader: Any, default: int) -> int:

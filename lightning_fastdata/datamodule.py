@@ -290,7 +290,9 @@ class OptimizedDataModule(L.LightningDataModule):
                 return self._make_loader(split)
             finally:
                 self.plan = plan
-                self._loaders.pop(split, None)
+                loader = self._loaders.pop(split, None)
+            if hasattr(loader, "close"):
+                loader.close()  # persistent workers must not outlive the stage
 
         measure_num_workers(plan, resources, config, make, device)
 
@@ -299,7 +301,9 @@ class OptimizedDataModule(L.LightningDataModule):
         for split in _STAGE_SPLITS.get(stage or "fit", ()):
             self._placed.pop(split, None)
             self._chunks.pop(split, None)
-            self._loaders.pop(split, None)
+            loader = self._loaders.pop(split, None)
+            if hasattr(loader, "close"):
+                loader.close()  # persistent workers must not outlive the stage
 
     # ------------------------------------------------------------------ loaders
 

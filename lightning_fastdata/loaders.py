@@ -649,6 +649,15 @@ class WorkerLoader(_Loader):
     def num_workers(self) -> int:
         return self.dataloader.num_workers
 
+    def close(self) -> None:
+        """Stop worker processes now. Persistent workers otherwise live until the loader is
+        garbage-collected, which the loader/sampler reference cycle delays to the next collection."""
+        it = getattr(self.dataloader, "_iterator", None)
+        stop = getattr(it, "_shutdown_workers", None)
+        if stop is not None:
+            stop()
+        self.dataloader._iterator = None
+
     def __iter__(self) -> Iterator[Any]:
         self._first_batch = start = self._start()
         for b, batch in enumerate(self.dataloader, start):

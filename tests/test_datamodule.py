@@ -133,3 +133,12 @@ def test_unstorable_samples_fall_back_to_per_sample_workers(cache_dir):
     assert dm.plan.strategy == "workers" and "cannot be stored" in dm.plan.reasons["strategy"]
     names = [n for _, batch_names in dm.train_dataloader() for n in batch_names]
     assert sorted(names) == sorted(f"name-{i % 4}" for i in range(10))
+
+
+def test_persistent_workers_stop_at_teardown(tmp_path):
+    import psutil
+
+    dm = TinyDataModule(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="workers",
+                        num_workers=2, persistent_workers=True, val=False)
+    trainer(tmp_path, max_epochs=2).fit(TinyModel(), dm)
+    assert psutil.Process().children(recursive=True) == []

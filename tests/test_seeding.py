@@ -268,7 +268,7 @@ def _datamodule_epochs(tmp_path: Path) -> list[torch.Tensor]:
         loader.sampler.set_epoch(e)  # as Lightning does
         out.append(torch.cat([x for x, _ in loader]))
     # Shut the persistent workers down now, so they remove their temporary files within the test.
-    loader.dataloader._iterator._shutdown_workers()
+    loader.close()
     return out
 
 
