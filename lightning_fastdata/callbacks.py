@@ -133,19 +133,10 @@ def _uncovered_set_epoch(loaders: list[Any]) -> list[tuple[str, Any]]:
 def _plan_params(trainer: L.Trainer) -> dict[str, Any]:
     plan = getattr(trainer.datamodule, "plan", None)
     if plan is not None and hasattr(plan, "as_dict"):
-        return {"fastdata_plan": _flat(plan.as_dict())}
+        return {"fastdata_plan": plan.as_dict()}
     try:
         info = loader_info(trainer.train_dataloader)
     except Exception:  # noqa: BLE001 (nothing to log is better than a failed fit)
         info = {}
     return {"fastdata_loader": info}
 
-
-def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flat(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
