@@ -10,7 +10,10 @@ Every training and validation step is split into three parts that add up to its 
 * **compute**: ``on_*_batch_start`` to ``on_*_batch_end`` minus any wait inside it (a
   ``dataloader_iter`` step fetches inside). On a GPU it is the device time between two
   CUDA events recorded at those hooks, read a few steps later once the events have
-  completed (``Event.query``), so no step is ever synchronised;
+  completed (``Event.query``), so no step is ever synchronised. There, the data wait
+  counts only the part of the host's blocked time that device compute does not cover
+  (``min(wait, step - compute)``): a synchronising copy that waits for earlier kernels
+  is compute showing up on the host, the error Lightning's SimpleProfiler makes;
 * **overhead**: the rest of the step (logging, callbacks, loop bookkeeping).
 
 A step runs from the end of the previous one (or the start of the epoch, or the end of a
@@ -299,8 +302,11 @@ class DataWaitProfiler(Callback):
             end.synchronize()  # returns at once when query() was True
             compute = start.elapsed_time(end) / 1e3
             row[COMPUTE] = compute
-            # The device may finish a step after the host moved on; what is left cannot be negative.
-            row[OVERHEAD] = max(0.0, row[STEP] - row[WAIT] - compute)
+            # A blocking copy can hold the host inside batch_to_device while the device is still
+            # busy with earlier steps: that time is compute, not starvation. Only the part of the
+            # host's wait that device compute does not cover counts (fetch/transfer stay raw).
+            row[WAIT] = min(row[WAIT], max(0.0, row[STEP] - compute))
+            row[OVERHEAD] = row[STEP] - row[WAIT] - compute if row[STEP] > compute else 0.0
             row[IDLE] = prev.elapsed_time(start) / 1e3 if prev is not None else 0.0
             stage.pending.popleft()
             stage.resolved += 1

@@ -265,3 +265,63 @@ def test_bad_arguments_are_named(kwargs, match):
 def test_clock_must_be_callable():
     with pytest.raises(TypeError, match="clock"):
         DataWaitProfiler(clock=1.0)
+
+
+class _SimulatedEvent:
+    """A CUDA event stand-in on the fake clock: it completes once 2 newer events were recorded."""
+
+    clock: FakeClock
+    recorded: list[_SimulatedEvent] = []
+    blocking_waits = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = self.clock()
+        self.recorded.append(self)
+
+    def query(self) -> bool:
+        return len(self.recorded) - self.recorded.index(self) > 2
+
+    def synchronize(self) -> None:
+        if not self.query():
+            type(self).blocking_waits += 1
+
+    def elapsed_time(self, end: _SimulatedEvent) -> float:
+        return 1e3 * (end.t - self.t)
+
+
+def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
+    """The GPU code path (lazy event reads, idle gap, gpu_idle_frac) with events on the fake clock."""
+    clock = FakeClock()
+    _SimulatedEvent.clock, _SimulatedEvent.recorded, _SimulatedEvent.blocking_waits = clock, [], 0
+    monkeypatch.setattr(torch.cuda, "Event", _SimulatedEvent)
+
+    class OnDevice(DataWaitProfiler):
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            self._cuda = True
+            self.resolved_at_end: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self.resolved_at_end.append(self._train.resolved)
+
+    prof = OnDevice(clock=clock, print_report=False)
+    logger = CSVLogger(str(tmp_path), name="sim")
+    trainer = make_trainer(tmp_path, callbacks=[SpendBeforeBatch(Spend(OVERHEAD, clock)), prof], logger=logger,
+                           log_every_n_steps=3)
+    trainer.fit(SpendingModel(Spend(COMPUTE, clock), Spend(TRANSFER, clock)), loader(32, 4, Spend(FETCH, clock)))
+    # Reads lag the steps (no per-step wait): after step k only the events of step k-1 are complete.
+    assert prof.resolved_at_end == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert _SimulatedEvent.blocking_waits == 1  # the last step's events, drained once at epoch end
+    train = prof.report()["stages"]["train"]
+    wait = FETCH + TRANSFER
+    assert train["compute_s"] == 8 * COMPUTE and train["data_wait_s"] == 8 * wait
+    assert train["overhead_s"] == 8 * OVERHEAD
+    idle = 7 * (wait + OVERHEAD)  # the first step of the epoch has no previous end
+    assert train["gpu_idle_frac"] == pytest.approx(idle / (idle + 8 * COMPUTE))
+    rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("fastdata/gpu_idle_frac")]
+    assert len(rows) == 2  # steps 3 and 6 of 8, from the steps resolved by then
+    assert float(rows[1]["fastdata/gpu_idle_frac"]) == pytest.approx((wait + OVERHEAD) / (wait + OVERHEAD + COMPUTE))
