@@ -4,9 +4,10 @@ Every training and validation step is split into three parts that add up to its 
 
 * **data wait**: time the loop is blocked getting the next batch, measured inside the
   calls that do it: the loader's fetch (Lightning's fetcher hooks ``_on_before_fetch`` /
-  ``_on_after_fetch``, which bracket ``next(iterator)``), the module's
-  ``on_before_batch_transfer``, and ``strategy.batch_to_device`` (host-to-device copy
-  plus ``on_after_batch_transfer``, where on-device augmentation is launched);
+  ``_on_after_fetch``, which bracket ``next(iterator)``), then from the end of the fetch
+  to the end of ``strategy.batch_to_device`` (the module's ``on_before_batch_transfer``,
+  the host-to-device copy, and ``on_after_batch_transfer``, where on-device augmentation
+  is launched);
 * **compute**: ``on_*_batch_start`` to ``on_*_batch_end`` minus any wait inside it (a
   ``dataloader_iter`` step fetches inside). On a GPU it is the device time between two
   CUDA events recorded at those hooks, read a few steps later once the events have
@@ -114,6 +115,7 @@ class DataWaitProfiler(Callback):
         self._cuda = False
         self._patches: list[tuple[object, str, bool, Any]] = []
         self._fetch_t0 = 0.0
+        self._fetch_end: float | None = None
         self._captured: list[Any] = []
         self._replay: dict[str, Any] | None = None
         self._context: dict[str, Any] = {}
@@ -131,9 +133,8 @@ class DataWaitProfiler(Callback):
         for loop in loops:
             self._patch(loop, "_on_before_fetch", self._wrap_before_fetch(loop._on_before_fetch))
             self._patch(loop, "_on_after_fetch", self._wrap_after_fetch(loop._on_after_fetch))
-        # Both are called through instance attribute lookup by the loops (Lightning 2.x).
+        # Called through instance attribute lookup by the loops (Lightning 2.x).
         self._patch(trainer.strategy, "batch_to_device", self._wrap_transfer(trainer.strategy.batch_to_device))
-        self._patch(pl_module, "_on_before_batch_transfer", self._wrap_transfer(pl_module._on_before_batch_transfer))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Restore everything :meth:`setup` wrapped."""
@@ -158,21 +159,27 @@ class DataWaitProfiler(Callback):
 
     def _wrap_after_fetch(self, original: Callable[[], None]) -> Callable[[], None]:
         def after_fetch() -> None:
-            dt = self.clock() - self._fetch_t0
+            now = self.clock()
             stage = self._active
             if stage is not None:
-                stage.wait += dt
-                stage.fetch += dt
+                stage.wait += now - self._fetch_t0
+                stage.fetch += now - self._fetch_t0
+            self._fetch_end = now
             original()
         return after_fetch
 
     def _wrap_transfer(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        # Timed from the end of the fetch: the loop's convert_input and on_before_batch_transfer
+        # run between the two, and are data preparation too. One clock read per batch.
         def transfer(*args: Any, **kwargs: Any) -> Any:
-            t0 = self.clock()
+            t0 = self._fetch_end
+            if t0 is None:  # called outside the loop's fetch-then-transfer sequence
+                t0 = self.clock()
             out = original(*args, **kwargs)
-            dt = self.clock() - t0
+            self._fetch_end = None
             stage = self._active
             if stage is not None:
+                dt = self.clock() - t0
                 stage.wait += dt
                 stage.transfer += dt
             return out

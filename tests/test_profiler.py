@@ -76,7 +76,6 @@ def test_validation_steps_are_timed_and_sanity_check_is_not(tmp_path):
 def test_wrapped_calls_are_restored_after_fit(tmp_path):
     prof, trainer, model = _fit_fake(tmp_path, epochs=1)
     assert "batch_to_device" not in vars(trainer.strategy)
-    assert "_on_before_batch_transfer" not in vars(model)
     for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop):
         assert "_on_before_fetch" not in vars(loop) and "_on_after_fetch" not in vars(loop)
 
