@@ -116,6 +116,7 @@ class DataWaitProfiler(Callback):
         self._patches: list[tuple[object, str, bool, Any]] = []
         self._fetch_t0 = 0.0
         self._fetch_end: float | None = None
+        self._log_every = 0
         self._captured: list[Any] = []
         self._replay: dict[str, Any] | None = None
         self._context: dict[str, Any] = {}
@@ -195,6 +196,7 @@ class DataWaitProfiler(Callback):
             return
         self._train.new_epoch(self.clock())
         self._active = self._train
+        self._log_every = trainer.log_every_n_steps if trainer.loggers else 0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -210,8 +212,8 @@ class DataWaitProfiler(Callback):
         if self._active is not stage:
             return
         self._end(stage, batch)
-        n = trainer.log_every_n_steps
-        if n and trainer.loggers and (_step(trainer) + 1) % n == 0:
+        n = self._log_every  # read once per epoch: this hook runs every step
+        if n and (_step(trainer) + 1) % n == 0:
             self._log_interval(trainer, stage)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -642,6 +644,8 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 
 def _batch_len(batch: Any) -> int:
+    if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
+        return batch[0].shape[0]  # the common case, fast: this runs every step
     node = batch
     while isinstance(node, (tuple, list, dict)):
         if not node:
