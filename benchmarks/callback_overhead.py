@@ -118,6 +118,7 @@ def measure(kind: str, steps: int, repeats: int, root: str) -> dict:
         "overhead_frac_paired_median": paired,
         "overhead_us_per_step": 1e6 * (prof - base),
         "lightning_dispatch_frac": (noop - base) / base,
+        "overhead_vs_noop_callback_frac": (prof - noop) / noop,
         "runs_step_ms": {a: [1e3 * v for v in times[a]] for a in ARMS},
     }
 
