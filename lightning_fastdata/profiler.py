@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata.plan import fmt_bytes
@@ -129,6 +129,12 @@ class DataWaitProfiler(Callback):
         """Wrap the calls that fetch, transfer and augment batches (restored in ``teardown``)."""
         if not self._enabled or stage not in ("fit", "validate") or self._patches:
             return
+        if getattr(trainer.strategy.batch_to_device, "_fastdata_wrapper", False):
+            # Two profilers would nest their wrappers and could not restore them in any order.
+            rank_zero_warn(f"{type(self).__name__}: another DataWaitProfiler/FastDataCallback already times this "
+                           "Trainer; this one stays idle. Keep one of them (FastDataCallback includes the profiler).")
+            self._enabled = False
+            return
         self._cuda = trainer.strategy.root_device.type == "cuda"
         loops = [trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop]
         for loop in loops:
@@ -153,6 +159,7 @@ class DataWaitProfiler(Callback):
         current = getattr(obj, name)
         had_own = getattr(current, "__self__", None) is not obj  # a bound method comes from the class
         self._patches.append((obj, name, had_own, current if had_own else None))
+        wrapper._fastdata_wrapper = True  # type: ignore[attr-defined]
         object.__setattr__(obj, name, wrapper)
 
     def _wrap_before_fetch(self, original: Callable[[], None]) -> Callable[[], None]:

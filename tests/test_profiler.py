@@ -324,3 +324,25 @@ def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
     rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("fastdata/gpu_idle_frac")]
     assert len(rows) == 2  # steps 3 and 6 of 8, from the steps resolved by then
     assert float(rows[1]["fastdata/gpu_idle_frac"]) == pytest.approx((wait + OVERHEAD) / (wait + OVERHEAD + COMPUTE))
+
+
+def test_validate_alone_is_timed(tmp_path):
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    model = SpendingModel(Spend(COMPUTE, clock), Spend(TRANSFER, clock), Spend(COMPUTE, clock))
+    trainer = make_trainer(tmp_path, callbacks=[prof])
+    trainer.validate(model, loader(12, 4, Spend(FETCH, clock)), verbose=False)
+    val = prof.report()["stages"]["validate"]
+    assert val["steps"] == 3 and prof.report()["steps"] == 0
+    assert val["data_wait_s"] == 3 * (FETCH + TRANSFER) and val["compute_s"] == 3 * COMPUTE
+    assert "batch_to_device" not in vars(trainer.strategy)
+
+
+def test_a_second_profiler_stays_idle_with_a_warning(tmp_path):
+    first, second = DataWaitProfiler(print_report=False), DataWaitProfiler(print_report=False)
+    trainer = make_trainer(tmp_path, callbacks=[first, second])
+    with pytest.warns(UserWarning, match="another DataWaitProfiler/FastDataCallback already times this Trainer"):
+        trainer.fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    assert first.report()["steps"] == 4 and second.report()["steps"] == 0
+    assert "batch_to_device" not in vars(trainer.strategy)
+    assert "_on_before_fetch" not in vars(trainer.fit_loop.epoch_loop)
