@@ -1,9 +1,142 @@
-"""``FastDataCallback``: the one callback users add to their ``Trainer``."""
+"""``FastDataCallback``: the one callback users add to their ``Trainer``.
+
+It works with any LightningDataModule or plain dataloaders, not only
+:class:`~lightning_fastdata.OptimizedDataModule`:
+
+* profiles data wait vs compute for every step (:class:`DataWaitProfiler`, on by default);
+* calls ``set_epoch(epoch)`` at each training epoch start on the objects Lightning skips:
+  Lightning reaches ``loader.sampler`` and ``loader.batch_sampler.sampler`` only, so an
+  ``IterableDataset`` that shuffles per epoch, a custom batch sampler or a loader object
+  with its own ``set_epoch`` would otherwise replay epoch 0's order forever;
+* logs the plan (or, for a plain loader, its settings) once to the Trainer's loggers as
+  hyperparameters;
+* logs device memory per epoch: ``fastdata/mem_allocated_mb`` and
+  ``fastdata/mem_reserved_mb`` on a GPU, ``fastdata/host_rss_mb`` on a CPU run.
+"""
 
 from __future__ import annotations
 
-from lightning_fastdata.profiler import DataWaitProfiler
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning as L
+import psutil
+import torch
+
+from lightning_fastdata.profiler import DataWaitProfiler, loader_info
 
 
 class FastDataCallback(DataWaitProfiler):
-    """Profiles data wait vs compute for every step (see :class:`DataWaitProfiler`)."""
+    """Keeps an eye on the input pipeline: profiling, ``set_epoch``, plan and memory logging.
+
+    Args:
+        profile: Time data wait vs compute for every step and report at the end of ``fit``.
+        replay_steps: Replay mode (see :class:`DataWaitProfiler`); 0 turns it off.
+        replay_batches: Batches captured for replay.
+        print_report: Print the profile report at the end of ``fit`` (rank 0).
+        set_epoch: Call ``set_epoch`` where Lightning does not.
+        log_memory: Log device memory at each training epoch end.
+        clock: Time source in seconds (tests inject a fake one).
+    """
+
+    def __init__(self, profile: bool = True, replay_steps: int = 0, replay_batches: int = 4,
+                 print_report: bool = True, set_epoch: bool = True, log_memory: bool = True,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(clock=clock, replay_steps=replay_steps, replay_batches=replay_batches,
+                         print_report=print_report)
+        for name, value in (("profile", profile), ("set_epoch", set_epoch), ("log_memory", log_memory)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        self._enabled = profile
+        self.set_epoch, self.log_memory = set_epoch, log_memory
+        self.set_epoch_calls: list[tuple[str, int]] = []
+        self.memory: list[dict[str, float]] = []
+        self._plan_logged = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Install worker seeding, then the profiler's timers."""
+        self._install_worker_seeding(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def _install_worker_seeding(self, trainer: L.Trainer) -> None:
+        """Give DataLoader workers distinct, reproducible seeds where the loader has none of ours.
+
+        Called from :meth:`setup`, before the loops build and iterate the dataloaders (the
+        last moment to wrap loader factories). Deliberately a no-op here: the lead wires it
+        to :mod:`lightning_fastdata.seeding`.
+        """
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if not self._plan_logged:
+            self._plan_logged = True
+            params = _plan_params(trainer)
+            for logger in trainer.loggers:
+                logger.log_hyperparams(params)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        if self.set_epoch:
+            epoch = trainer.fit_loop.epoch_progress.current.processed
+            loaders = _flatten(trainer.train_dataloader) + _flatten(trainer.val_dataloaders)
+            for where, obj in _uncovered_set_epoch(loaders):
+                obj.set_epoch(epoch)
+                self.set_epoch_calls.append((where, epoch))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self.log_memory:
+            device = trainer.strategy.root_device
+            if device.type == "cuda":
+                mem = {"fastdata/mem_allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+                       "fastdata/mem_reserved_mb": torch.cuda.memory_reserved(device) / 2**20}
+            else:
+                mem = {"fastdata/host_rss_mb": psutil.Process().memory_info().rss / 2**20}
+            self.memory.append(mem)
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            for logger in trainer.loggers:
+                logger.log_metrics(mem, step=step)
+
+
+def _flatten(loaders: Any) -> list[Any]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return [x for v in loaders.values() for x in _flatten(v)]
+    if isinstance(loaders, (list, tuple)):
+        return [x for v in loaders for x in _flatten(v)]
+    return [loaders]
+
+
+def _uncovered_set_epoch(loaders: list[Any]) -> list[tuple[str, Any]]:
+    """Objects with a ``set_epoch`` that Lightning's ``_set_sampler_epoch`` does not reach."""
+    covered: set[int] = set()
+    candidates: list[tuple[str, Any]] = []
+    for i, dl in enumerate(loaders):
+        sampler = getattr(dl, "sampler", None)
+        batch_sampler = getattr(dl, "batch_sampler", None)
+        covered.add(id(sampler))
+        covered.add(id(getattr(batch_sampler, "sampler", None)))
+        candidates += [(f"loader[{i}]", dl), (f"loader[{i}].dataset", getattr(dl, "dataset", None)),
+                       (f"loader[{i}].batch_sampler", batch_sampler)]
+    out, seen = [], set()
+    for where, obj in candidates:
+        if obj is None or id(obj) in covered or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if callable(getattr(obj, "set_epoch", None)):
+            out.append((where, obj))
+    return out
+
+
+def _plan_params(trainer: L.Trainer) -> dict[str, Any]:
+    plan = getattr(trainer.datamodule, "plan", None)
+    if plan is not None and hasattr(plan, "as_dict"):
+        return {"fastdata_plan": plan.as_dict()}
+    try:
+        info = loader_info(trainer.train_dataloader)
+    except Exception:  # noqa: BLE001 (nothing to log is better than a failed fit)
+        info = {}
+    return {"fastdata_loader": info}
+

@@ -101,3 +101,14 @@ def all_reduce_max(value: float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def all_reduce_max_list(values: list[float]) -> list[float]:
+    """Element-wise largest ``values`` over all ranks, in one collective (same length on every rank)."""
+    if not is_initialized() or world_size() == 1:
+        return [float(v) for v in values]
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]

@@ -1,76 +1,664 @@
-"""``DataWaitProfiler``: how much of each training step is spent waiting for data.
+"""``DataWaitProfiler``: how much of each step is spent waiting for data, timed where it happens.
 
-Minimal form: wall-clock timestamps at Lightning's batch hooks. The wait of step k is
-the time from the end of step k-1 to the start of step k (fetch, transfer, on-device
-augmentation launch); its compute is the time from its start to its end.
+Every training and validation step is split into three parts that add up to its wall time:
+
+* **data wait**: time the loop is blocked getting the next batch, measured inside the
+  calls that do it: the loader's fetch (Lightning's fetcher hooks ``_on_before_fetch`` /
+  ``_on_after_fetch``, which bracket ``next(iterator)``), then from the end of the fetch
+  to the end of ``strategy.batch_to_device`` (the module's ``on_before_batch_transfer``,
+  the host-to-device copy, and ``on_after_batch_transfer``, where on-device augmentation
+  is launched);
+* **compute**: ``on_*_batch_start`` to ``on_*_batch_end`` minus any wait inside it (a
+  ``dataloader_iter`` step fetches inside). On a GPU it is the device time between two
+  CUDA events recorded at those hooks, read a few steps later once the events have
+  completed (``Event.query``), so no step is ever synchronised. There, the data wait
+  counts only the part of the host's blocked time that device compute does not cover
+  (``min(wait, step - compute)``): a synchronising copy that waits for earlier kernels
+  is compute showing up on the host, the error Lightning's SimpleProfiler makes;
+* **overhead**: the rest of the step (logging, callbacks, loop bookkeeping).
+
+A step runs from the end of the previous one (or the start of the epoch, or the end of a
+validation run) to the end of its own. On a GPU the device's idle gap between steps (end
+event of one step to start event of the next) is reported too.
+
+Figures are logged through the Trainer's loggers every ``log_every_n_steps`` (the mean of
+the steps since the last log) and per epoch (mean, p50, p95). Under DDP each figure is
+the largest over ranks, reduced in one collective per logging interval and per epoch,
+never per step. After ``fit``, rank 0 prints a report with a verdict and advice; the same
+is returned by :meth:`DataWaitProfiler.report`.
 """
 
 from __future__ import annotations
 
-import statistics
+import copy
+import math
+import os
 import time
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
+import numpy as np
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_fastdata import distributed as D
+from lightning_fastdata.plan import fmt_bytes
+
+# Columns of a per-step row.
+STEP, WAIT, FETCH, TRANSFER, COMPUTE, OVERHEAD, IDLE, SAMPLES = range(8)
+_FIGURES = (("step", STEP), ("data_wait", WAIT), ("compute", COMPUTE), ("overhead", OVERHEAD))
+#: A data wait at or above this share of the step gets data-loading advice.
+DATA_ADVICE_FRAC = 0.10
+#: Framework overhead at or above this share of the step gets its own advice.
+OVERHEAD_ADVICE_FRAC = 0.25
+
+
+class _Stage:
+    """Timing state and per-step rows of one stage ("train" or "validate")."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.rows: list[list[float]] = []  # this epoch, this rank
+        self.history: list[list[float]] = []  # completed epochs, reduced over ranks
+        self.epochs: list[dict[str, Any]] = []
+        self.epoch_times: list[float] = []
+        self.samples = 0
+        self.pending: deque[tuple[list[float], Any, Any, Any]] = deque()
+        self.new_epoch(None)
+
+    def new_epoch(self, now: float | None) -> None:
+        self.rows = []
+        self.wait = self.fetch = self.transfer = self.wait_at_start = 0.0
+        self.prev_end = self.epoch_start = now
+        self.start: float | None = None
+        self.start_event: Any = None
+        self.prev_event: Any = None
+        self.pending.clear()
+        self.resolved = self.logged = 0
 
 
 class DataWaitProfiler(Callback):
-    """Times data wait vs compute for every training step.
+    """Times data wait vs compute vs framework overhead for every training and validation step.
 
     Args:
         clock: Time source in seconds (tests inject a fake one).
+        replay_steps: Opt-in replay mode: after training, run this many optimisation
+            steps on batches captured on the device (no loader involved) to measure the
+            compute-only step time; the model, optimizer and RNG states are restored
+            afterwards. 0 turns it off.
+        replay_batches: How many training batches replay mode captures (the first ones).
+        replay_warmup: Replay steps run before timing starts (allocator, kernel caches).
+        max_pending: On a GPU, steps whose CUDA events are still unread before the oldest
+            one is waited for; normally events complete long before.
+        print_report: Print the report at the end of ``fit`` (rank 0).
     """
 
-    def __init__(self, clock: Any = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, replay_steps: int = 0,
+                 replay_batches: int = 4, replay_warmup: int = 2, max_pending: int = 16,
+                 print_report: bool = True) -> None:
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        for name, value, low in (("replay_steps", replay_steps, 0), ("replay_batches", replay_batches, 1),
+                                 ("replay_warmup", replay_warmup, 0), ("max_pending", max_pending, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.clock = clock
-        self.waits: list[float] = []
-        self.computes: list[float] = []
-        self.epoch_times: list[float] = []
-        self.samples = 0
-        self._last_end: float | None = None
-        self._start: float | None = None
-        self._epoch_start: float | None = None
+        self.replay_steps, self.replay_batches, self.replay_warmup = replay_steps, replay_batches, replay_warmup
+        self.max_pending = max_pending
+        self.print_report = print_report
+        self._train, self._val = _Stage("train"), _Stage("validate")
+        self._active: _Stage | None = None
+        self._cuda = False
+        self._patches: list[tuple[object, str, bool, Any]] = []
+        self._fetch_t0 = 0.0
+        self._fetch_end: float | None = None
+        self._log_every = 0
+        self._captured: list[Any] = []
+        self._replay: dict[str, Any] | None = None
+        self._context: dict[str, Any] = {}
+        # FastDataCallback(profile=False) turns every timing hook into a no-op.
+        self._enabled = True
+
+    # ------------------------------------------------------------------ installation
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Wrap the calls that fetch, transfer and augment batches (restored in ``teardown``)."""
+        if not self._enabled or stage not in ("fit", "validate") or self._patches:
+            return
+        if getattr(trainer.strategy.batch_to_device, "_fastdata_wrapper", False):
+            # Two profilers would nest their wrappers and could not restore them in any order.
+            rank_zero_warn(f"{type(self).__name__}: another DataWaitProfiler/FastDataCallback already times this "
+                           "Trainer; this one stays idle. Keep one of them (FastDataCallback includes the profiler).")
+            self._enabled = False
+            return
+        self._cuda = trainer.strategy.root_device.type == "cuda"
+        loops = [trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop]
+        for loop in loops:
+            self._patch(loop, "_on_before_fetch", self._wrap_before_fetch(loop._on_before_fetch))
+            self._patch(loop, "_on_after_fetch", self._wrap_after_fetch(loop._on_after_fetch))
+        # Called through instance attribute lookup by the loops (Lightning 2.x).
+        self._patch(trainer.strategy, "batch_to_device", self._wrap_transfer(trainer.strategy.batch_to_device))
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Restore everything :meth:`setup` wrapped."""
+        for obj, name, had_own, old in reversed(self._patches):
+            if had_own:
+                object.__setattr__(obj, name, old)
+            else:
+                object.__delattr__(obj, name)
+        self._patches.clear()
+        self._active = None
+
+    def _patch(self, obj: object, name: str, wrapper: Callable[..., Any]) -> None:
+        # Never read obj.__dict__: on CPython 3.11+ that materialises the instance dict and
+        # slows every later attribute read on these hot loop objects (measured: ~2% of a step).
+        current = getattr(obj, name)
+        had_own = getattr(current, "__self__", None) is not obj  # a bound method comes from the class
+        self._patches.append((obj, name, had_own, current if had_own else None))
+        wrapper._fastdata_wrapper = True  # type: ignore[attr-defined]
+        object.__setattr__(obj, name, wrapper)
+
+    def _wrap_before_fetch(self, original: Callable[[], None]) -> Callable[[], None]:
+        def before_fetch() -> None:
+            original()
+            self._fetch_t0 = self.clock()
+        return before_fetch
+
+    def _wrap_after_fetch(self, original: Callable[[], None]) -> Callable[[], None]:
+        def after_fetch() -> None:
+            now = self.clock()
+            stage = self._active
+            if stage is not None:
+                stage.wait += now - self._fetch_t0
+                stage.fetch += now - self._fetch_t0
+            self._fetch_end = now
+            original()
+        return after_fetch
+
+    def _wrap_transfer(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        # Timed from the end of the fetch: the loop's convert_input and on_before_batch_transfer
+        # run between the two, and are data preparation too. One clock read per batch.
+        def transfer(*args: Any, **kwargs: Any) -> Any:
+            t0 = self._fetch_end
+            if t0 is None:  # called outside the loop's fetch-then-transfer sequence
+                t0 = self.clock()
+            out = original(*args, **kwargs)
+            self._fetch_end = None
+            stage = self._active
+            if stage is not None:
+                dt = self.clock() - t0
+                stage.wait += dt
+                stage.transfer += dt
+            return out
+        return transfer
+
+    # ------------------------------------------------------------------ training hooks
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._context = _context(trainer)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._epoch_start = self._last_end = self.clock()
+        if not self._enabled:
+            return
+        self._train.new_epoch(self.clock())
+        self._active = self._train
+        self._log_every = trainer.log_every_n_steps if trainer.loggers else 0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        now = self.clock()
-        if self._last_end is not None:
-            self.waits.append(now - self._last_end)
-        self._start = now
+        if self._active is not self._train:
+            return
+        self._begin(self._train)
+        if self.replay_steps and len(self._captured) < self.replay_batches:
+            self._captured.append(batch)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        now = self.clock()
-        if self._start is not None:
-            self.computes.append(now - self._start)
-        self._last_end = now
-        self.samples += _batch_len(batch)
+        stage = self._train
+        if self._active is not stage:
+            return
+        self._end(stage, batch)
+        n = self._log_every  # read once per epoch: this hook runs every step
+        if n and (_step(trainer) + 1) % n == 0:
+            self._log_interval(trainer, stage)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._epoch_start is not None:
-            self.epoch_times.append(self.clock() - self._epoch_start)
+        stage = self._train
+        if not self._enabled:
+            return
+        if stage.epoch_start is not None:
+            stage.epoch_times.append(self.clock() - stage.epoch_start)
+        self._finish_epoch(trainer, stage, "fastdata/epoch/")
+        self._active = None
 
-    def report(self) -> dict[str, float]:
-        """Totals and shares over all recorded steps."""
-        wait, compute = sum(self.waits), sum(self.computes)
-        total = wait + compute
-        return {
-            "steps": len(self.computes),
-            "data_wait_s": wait,
-            "compute_s": compute,
-            "data_wait_frac": wait / total if total else 0.0,
-            "data_wait_ms_p50": 1e3 * statistics.median(self.waits) if self.waits else 0.0,
-            "epoch_time_s": self.epoch_times[-1] if self.epoch_times else 0.0,
-            "samples": self.samples,
-        }
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.replay_steps and self._captured:
+            self._replay = self._run_replay(trainer, pl_module)
+        self._captured = []
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._enabled and self.print_report and trainer.is_global_zero:
+            rank_zero_info(format_report(self.report()))
+
+    # ------------------------------------------------------------------ validation hooks
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._active = None if trainer.sanity_checking or not self._enabled else self._val
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._active is self._val:
+            self._val.new_epoch(self.clock())
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._active is self._val:
+            self._begin(self._val)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._active is self._val:
+            self._end(self._val, batch)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._active is self._val:
+            stage = self._val
+            if stage.epoch_start is not None:
+                stage.epoch_times.append(self.clock() - stage.epoch_start)
+            self._finish_epoch(trainer, stage, "fastdata/val/epoch/")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._enabled and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            # Validation inside fit: the next training step starts now, not before validation.
+            self._active = self._train
+            self._train.prev_end = self.clock()
+        else:
+            self._active = None
+
+    # ------------------------------------------------------------------ per step
+
+    def _begin(self, stage: _Stage) -> None:
+        stage.start = self.clock()
+        stage.wait_at_start = stage.wait
+        if self._cuda:
+            stage.start_event = torch.cuda.Event(enable_timing=True)
+            stage.start_event.record()
+
+    def _end(self, stage: _Stage, batch: Any) -> None:
+        now = self.clock()
+        if stage.start is None or stage.prev_end is None:
+            return
+        wait = stage.wait
+        step = now - stage.prev_end
+        n = _batch_len(batch)
+        if self._cuda:
+            end_event = torch.cuda.Event(enable_timing=True)
+            end_event.record()
+            row = [step, wait, stage.fetch, stage.transfer, math.nan, math.nan, math.nan, n]
+            stage.pending.append((row, stage.start_event, end_event, stage.prev_event))
+            stage.prev_event = end_event
+            stage.rows.append(row)
+            self._resolve(stage, block=False)
+        else:
+            compute = now - stage.start - (wait - stage.wait_at_start)
+            stage.rows.append([step, wait, stage.fetch, stage.transfer, compute, step - wait - compute,
+                               math.nan, n])
+            stage.resolved += 1
+        stage.samples += n
+        stage.wait = stage.fetch = stage.transfer = 0.0
+        stage.prev_end = now
+        stage.start = None
+
+    def _resolve(self, stage: _Stage, block: bool) -> None:
+        """Read the CUDA events of finished steps; wait only at epoch end or when too many are unread."""
+        while stage.pending:
+            row, start, end, prev = stage.pending[0]
+            if not (block or len(stage.pending) > self.max_pending or end.query()):
+                break
+            end.synchronize()  # returns at once when query() was True
+            compute = start.elapsed_time(end) / 1e3
+            row[COMPUTE] = compute
+            # A blocking copy can hold the host inside batch_to_device while the device is still
+            # busy with earlier steps: that time is compute, not starvation. Only the part of the
+            # host's wait that device compute does not cover counts (fetch/transfer stay raw).
+            row[WAIT] = min(row[WAIT], max(0.0, row[STEP] - compute))
+            row[OVERHEAD] = row[STEP] - row[WAIT] - compute if row[STEP] > compute else 0.0
+            row[IDLE] = prev.elapsed_time(start) / 1e3 if prev is not None else 0.0
+            stage.pending.popleft()
+            stage.resolved += 1
+
+    # ------------------------------------------------------------------ logging
+
+    def _log_interval(self, trainer: L.Trainer, stage: _Stage) -> None:
+        rows = stage.rows[stage.logged:stage.resolved]
+        stage.logged = stage.resolved
+        cols = (STEP, WAIT, COMPUTE, OVERHEAD, IDLE)
+        # Plain sums: a few dozen rows, where numpy's call overhead would dominate.
+        means = [sum(r[c] for r in rows) / len(rows) if rows else 0.0 for c in cols]
+        means = [0.0 if math.isnan(v) else v for v in means]
+        # One collective per logging interval: the slowest rank's figures gate the step.
+        count, step, wait, compute, overhead, idle = D.all_reduce_max_list([len(rows), *means])
+        if not count:
+            return
+        metrics = {"fastdata/data_wait_ms": 1e3 * wait, "fastdata/compute_ms": 1e3 * compute,
+                   "fastdata/overhead_ms": 1e3 * overhead, "fastdata/step_ms": 1e3 * step,
+                   "fastdata/data_wait_frac": wait / step if step > 0 else 0.0}
+        if self._cuda:
+            metrics["fastdata/gpu_idle_frac"] = idle / (idle + compute) if idle + compute > 0 else 0.0
+        _log(trainer, metrics)
+
+    def _finish_epoch(self, trainer: L.Trainer, stage: _Stage, prefix: str) -> None:
+        self._resolve(stage, block=True)
+        rows = stage.rows
+        if D.world_size() > 1 and D.is_initialized():
+            # Ranks run equal step counts under DistributedSampler semantics; keep the common ones.
+            k = D.all_reduce_min(len(rows))
+            flat = D.all_reduce_max_list([0.0 if math.isnan(v) else v for r in rows[:k] for v in r[:SAMPLES]])
+            rows = [[*flat[i * SAMPLES:(i + 1) * SAMPLES], rows[i][SAMPLES]] for i in range(k)]
+            if not self._cuda:
+                for r in rows:
+                    r[IDLE] = math.nan
+        stage.rows = []
+        stage.resolved = stage.logged = 0
+        if not rows:
+            return
+        stage.history.extend(rows)
+        summary = summarize(rows)
+        summary["epoch_time_s"] = stage.epoch_times[-1] if stage.epoch_times else 0.0
+        stage.epochs.append(summary)
+        metrics = {f"{prefix}{k}": v for k, v in summary.items()
+                   if k.endswith(("_mean", "_p50", "_p95", "_frac"))}
+        if trainer.loggers:
+            _log(trainer, metrics)
+
+    # ------------------------------------------------------------------ replay
+
+    def _run_replay(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Optimise on captured device batches only; restore every state it touched."""
+        self._active = None
+        optimizers = list(trainer.optimizers)
+        model_state = copy.deepcopy(pl_module.state_dict())
+        opt_states = [copy.deepcopy(o.state_dict()) for o in optimizers]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self._cuda else None
+        patched = {name: getattr(pl_module, name) for name in ("log", "log_dict")}
+        # self.log outside the loop has no result collection to write to; replay logs nothing.
+        object.__setattr__(pl_module, "log", _no_log)
+        object.__setattr__(pl_module, "log_dict", _no_log)
+        times: list[float] = []
+        try:
+            for i in range(self.replay_warmup):
+                self._replay_step(trainer, pl_module, optimizers, i)
+            self._sync()
+            t_all = self.clock()
+            for i in range(self.replay_steps):
+                t0 = self.clock()
+                self._replay_step(trainer, pl_module, optimizers, i)
+                times.append(self.clock() - t0)
+            self._sync()
+            total = self.clock() - t_all
+        finally:
+            for name, old in patched.items():
+                if getattr(old, "__self__", None) is pl_module:
+                    object.__delattr__(pl_module, name)  # it came from the class
+                else:
+                    object.__setattr__(pl_module, name, old)
+            pl_module.load_state_dict(model_state)
+            for opt, state in zip(optimizers, opt_states, strict=True):
+                opt.load_state_dict(state)
+                opt.zero_grad(set_to_none=True)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        # Without a per-step synchronize, per-step host times mean nothing on a GPU: use the total.
+        step_s = total / self.replay_steps if self._cuda else float(np.median(times))
+        real = summarize(self._train.history) if self._train.history else None
+        out: dict[str, Any] = {"steps": self.replay_steps, "batches": len(self._captured),
+                               "step_ms": 1e3 * step_s}
+        if real is not None and real["steps"]:
+            real_ms = real["step_ms_p50"]
+            out.update(real_step_ms=real_ms, real_compute_ms=real["compute_ms_p50"],
+                       slowdown=real_ms / (1e3 * step_s) if step_s > 0 else math.inf,
+                       loader_cost_ms=real_ms - 1e3 * step_s)
+        return out
+
+    def _replay_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizers: list[Any],
+                     i: int) -> None:
+        batch = self._captured[i % len(self._captured)]
+        try:
+            kwargs = trainer.fit_loop.epoch_loop._build_kwargs({}, batch, i)
+        except AttributeError:
+            kwargs = {"batch": batch, "batch_idx": i}
+        out = trainer.strategy.training_step(*kwargs.values())
+        if not pl_module.automatic_optimization:
+            return  # the step optimised itself
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor) or not optimizers:
+            return
+        trainer.strategy.backward(loss, optimizers[0])
+        optimizers[0].step()
+        optimizers[0].zero_grad(set_to_none=True)
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ report
+
+    def report(self) -> dict[str, Any]:
+        """The figures so far, per stage, with a verdict and advice.
+
+        Top-level keys describe training: ``steps``, ``samples``, ``epoch_time_s`` (last
+        epoch), ``step_s``, ``data_wait_s``, ``compute_s``, ``overhead_s`` (totals),
+        ``data_wait_frac``, ``compute_frac``, ``overhead_frac``, ``verdict``, ``share``,
+        ``advice``. ``stages`` holds the same for "train" and "validate" (plus per-step
+        p50/p95 in ms and per-epoch summaries); ``replay`` holds the replay result or None.
+        """
+        stages = {s.name: self._stage_report(s) for s in (self._train, self._val)}
+        train = stages["train"]
+        keys = ("steps", "samples", "epoch_time_s", "step_s", "data_wait_s", "compute_s", "overhead_s",
+                "data_wait_frac", "compute_frac", "overhead_frac", "verdict", "share", "advice")
+        out: dict[str, Any] = {k: train[k] for k in keys}
+        out["stages"] = stages
+        out["replay"] = self._replay
+        if self._replay is not None and "slowdown" in self._replay:
+            r = self._replay
+            out["advice"] = [*out["advice"],
+                             f"replay: compute-only step {r['step_ms']:.1f} ms vs {r['real_step_ms']:.1f} ms with "
+                             f"the real loader ({r['slowdown']:.2f}x the speed of light)"]
+        return out
+
+    def _stage_report(self, stage: _Stage) -> dict[str, Any]:
+        rows = stage.history + stage.rows[:stage.resolved]
+        rep = summarize(rows)
+        rep["samples"] = stage.samples
+        rep["epoch_time_s"] = stage.epoch_times[-1] if stage.epoch_times else 0.0
+        rep["epochs"] = list(stage.epochs)
+        rep.update(verdict_of(rep))
+        rep["advice"] = advise(rep, self._context) if rep["steps"] else []
+        return rep
+
+
+# ---------------------------------------------------------------------- pure helpers
+
+
+def summarize(rows: list[list[float]]) -> dict[str, Any]:
+    """Totals, shares, and mean/p50/p95 in ms of step, data wait, compute and overhead."""
+    out: dict[str, Any] = {"steps": len(rows)}
+    arr = np.asarray([r[:SAMPLES] for r in rows], dtype=np.float64).reshape(len(rows), SAMPLES)
+    total = float(arr[:, STEP].sum())
+    for name, col in _FIGURES:
+        v = arr[:, col]
+        out[f"{name}_s"] = float(v.sum())
+        out[f"{name}_ms_mean"] = 1e3 * float(v.mean()) if len(v) else 0.0
+        out[f"{name}_ms_p50"] = 1e3 * float(np.percentile(v, 50)) if len(v) else 0.0
+        out[f"{name}_ms_p95"] = 1e3 * float(np.percentile(v, 95)) if len(v) else 0.0
+    for name, col in (("fetch", FETCH), ("transfer", TRANSFER)):
+        out[f"{name}_ms_mean"] = 1e3 * float(arr[:, col].mean()) if len(rows) else 0.0
+    for name in ("data_wait", "compute", "overhead"):
+        out[f"{name}_frac"] = out[f"{name}_s"] / total if total > 0 else 0.0
+    idle = arr[:, IDLE]
+    if len(rows) and not np.isnan(idle).all():
+        busy = float(np.nansum(idle)) + out["compute_s"]
+        out["gpu_idle_frac"] = float(np.nansum(idle)) / busy if busy > 0 else 0.0
+    return out
+
+
+def verdict_of(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """``data-bound`` when the data wait exceeds compute, else ``compute-bound``, with the share."""
+    if not summary.get("steps"):
+        return {"verdict": "no steps", "share": 0.0}
+    if summary["data_wait_s"] > summary["compute_s"]:
+        return {"verdict": "data-bound", "share": summary["data_wait_frac"]}
+    return {"verdict": "compute-bound", "share": summary["compute_frac"]}
+
+
+def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
+    """Concrete advice from the measured shares and what is known of the input pipeline.
+
+    Args:
+        summary: A stage summary (:func:`summarize` plus :func:`verdict_of`).
+        context: ``plan`` (a :class:`~lightning_fastdata.plan.Plan` or None),
+            ``vram_fraction``, ``loader`` (``num_workers``, ``pin_memory``, ``kind``),
+            ``cores`` (CPU cores per local rank) and ``device_type``.
+    """
+    w, c, o = summary["data_wait_frac"], summary["compute_frac"], summary["overhead_frac"]
+    wait_ms, transfer_ms = summary["data_wait_ms_mean"], summary["transfer_ms_mean"]
+    plan, loader = context.get("plan"), context.get("loader") or {}
+    cores = int(context.get("cores") or 1)
+    cuda = context.get("device_type") == "cuda"
+    advice: list[str] = []
+    lead = f"data wait is {w:.0%} of the step"
+    if w >= DATA_ADVICE_FRAC:
+        strategy = getattr(plan, "strategy", None)
+        resources = getattr(plan, "resources", None)
+        store = int(getattr(plan, "store_nbytes", 0) or 0)
+        if strategy == "device" or loader.get("kind") == "device":
+            advice.append(f"{lead}, with the data already on the device: the wait is the batch gather and "
+                          f"on-device augmentation ({transfer_ms:.1f} of {wait_ms:.1f} ms): use a lighter "
+                          "train_augment or a larger batch")
+        elif strategy in ("workers", "chunked") and store and resources is not None:
+            vf = float(context.get("vram_fraction") or 0.6)
+            what = "GPU" if resources.device_type == "cuda" else "device"
+            total = resources.device_total
+            if store <= vf * total:
+                advice.append(f"{lead}; the store ({fmt_bytes(store)}) fits {vf:.0%} of this {what}'s "
+                              f"{fmt_bytes(total)}: set strategy=device")
+            else:
+                advice.append(f"{lead}; the store ({fmt_bytes(store)}) is more than {vf:.0%} of this "
+                              f"{what}'s {fmt_bytes(total)}, so it stays on the host")
+        nw = loader.get("num_workers")
+        if strategy != "device" and loader.get("kind") != "device" and nw is not None:
+            if nw == 0:
+                fix = "" if plan is not None else " or cache the preprocessing with OptimizedDataModule"
+                advice.append(f"{lead}; batches are loaded in the main process (num_workers=0): set "
+                              f"num_workers={max(1, cores - 1)}{fix}")
+            elif nw >= cores:
+                advice.append(f"workers are saturated: {nw} of {cores} cores; more workers cannot help: "
+                              "cache the static preprocessing (OptimizedDataModule) and move augmentation "
+                              "to the device")
+            elif nw + 1 >= cores:
+                advice.append(f"workers are saturated: {nw} workers + the main process on {cores} cores; "
+                              "cache the static preprocessing and move augmentation to the device")
+            else:
+                advice.append(f"{lead}; {nw} workers on {cores} cores: raise num_workers to {cores - 1}")
+            if cuda and not loader.get("pin_memory"):
+                advice.append("set pin_memory=True: host-to-device copies come from pageable memory")
+        if wait_ms > 0 and transfer_ms > 0.5 * wait_ms and strategy != "device":
+            advice.append(f"transfer and on-device augmentation take {transfer_ms:.1f} of the {wait_ms:.1f} ms "
+                          "wait: keep the data on the device (strategy=device) or lighten the augmentation")
+    if summary.get("verdict") == "compute-bound":
+        advice.append(f"compute-bound: compute is {c:.0%} of the step, data wait {w:.0%}; the input pipeline "
+                      "keeps up: speed now comes from the model (mixed precision, a larger batch, "
+                      "torch.compile)")
+    if o >= OVERHEAD_ADVICE_FRAC:
+        advice.append(f"framework overhead is {o:.0%} of the step (logging, callbacks, loop bookkeeping): "
+                      "raise log_every_n_steps or the batch size")
+    idle = summary.get("gpu_idle_frac")
+    if idle is not None and idle >= DATA_ADVICE_FRAC:
+        advice.append(f"the GPU is idle {idle:.0%} of the time between steps")
+    return advice
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The report as text: per stage, the figures, the verdict and the advice."""
+    lines = ["lightning_fastdata profile"]
+    for name, s in report["stages"].items():
+        if not s["steps"]:
+            continue
+        lines.append(f"  {name}: {s['steps']} steps, step p50 {s['step_ms_p50']:.1f} ms "
+                     f"(p95 {s['step_ms_p95']:.1f}); data wait {s['data_wait_ms_mean']:.1f} ms "
+                     f"({s['data_wait_frac']:.0%}), compute {s['compute_ms_mean']:.1f} ms "
+                     f"({s['compute_frac']:.0%}), overhead {s['overhead_ms_mean']:.1f} ms "
+                     f"({s['overhead_frac']:.0%})"
+                     + (f", GPU idle {s['gpu_idle_frac']:.0%}" if "gpu_idle_frac" in s else ""))
+        lines.append(f"    verdict: {s['verdict']} ({s['share']:.0%})")
+        lines += [f"    - {a}" for a in s["advice"]]
+    r = report.get("replay")
+    if r:
+        line = f"  replay: compute-only step {r['step_ms']:.1f} ms over {r['steps']} steps"
+        if "real_step_ms" in r:
+            line += f"; real loader {r['real_step_ms']:.1f} ms ({r['slowdown']:.2f}x the speed of light)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _context(trainer: L.Trainer) -> dict[str, Any]:
+    dm = trainer.datamodule
+    try:
+        loader = trainer.train_dataloader
+    except Exception:  # noqa: BLE001 (a loader the Trainer cannot describe gets no loader advice)
+        loader = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"plan": getattr(dm, "plan", None), "vram_fraction": getattr(dm, "vram_fraction", None),
+            "loader": loader_info(loader), "cores": max(1, cores // max(1, D.local_world_size())),
+            "device_type": trainer.strategy.root_device.type}
+
+
+def loader_info(loader: Any) -> dict[str, Any]:
+    """``kind``, ``num_workers``, ``pin_memory``, ``persistent_workers`` of a loader (first of several)."""
+    if isinstance(loader, Mapping):
+        loader = next(iter(loader.values()), None)
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    if loader is None:
+        return {}
+    if hasattr(loader, "fields") and hasattr(loader, "order"):
+        return {"kind": "device"}
+    dl = getattr(loader, "dataloader", loader)
+    if not hasattr(dl, "num_workers"):
+        return {"kind": type(loader).__name__}
+    return {"kind": "dataloader", "num_workers": int(dl.num_workers),
+            "pin_memory": bool(getattr(dl, "pin_memory", False)),
+            "persistent_workers": bool(getattr(dl, "persistent_workers", False))}
+
+
+def _step(trainer: L.Trainer) -> int:
+    try:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except AttributeError:
+        return int(trainer.global_step)
+
+
+def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    step = _step(trainer)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _batch_len(batch: Any) -> int:
+    if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
+        return batch[0].shape[0]  # the common case, fast: this runs every step
     node = batch
     while isinstance(node, (tuple, list, dict)):
+        if not node:
+            return 1
         node = next(iter(node.values())) if isinstance(node, dict) else node[0]
     return int(node.shape[0]) if hasattr(node, "shape") and len(node.shape) else 1

@@ -1,0 +1,205 @@
+"""FastDataCallback: set_epoch where Lightning does not, plan and memory logging, any data source, DDP."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from _helpers import TinyDataModule, TinyModel
+from _helpers import trainer as make_trainer
+from _timing import Spend, SpendingModel, Vectors, loader
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_fastdata import DataWaitProfiler, FastDataCallback
+
+
+class EpochStream(IterableDataset):
+    """An iterable dataset that shuffles per epoch: only right if someone calls its set_epoch."""
+
+    def __init__(self, n: int = 16) -> None:
+        self.n, self.epoch, self.calls = n, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.calls.append(epoch)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.epoch)
+        for i in torch.randperm(self.n, generator=g).tolist():
+            yield torch.full((8,), float(i)), i % 2
+
+
+class EpochBatchSampler:
+    """A custom batch sampler with set_epoch and no ``.sampler``: Lightning does not reach it."""
+
+    def __init__(self, n: int = 16, batch_size: int = 4) -> None:
+        self.n, self.batch_size, self.epoch, self.calls = n, batch_size, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.calls.append(epoch)
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        for b in range(len(self)):
+            yield order[b * self.batch_size:(b + 1) * self.batch_size]
+
+
+class Recording(SpendingModel):
+    def __init__(self) -> None:
+        super().__init__(Spend(0.0))
+        self.first_of_epoch: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.first_of_epoch.append(float(batch[0][0, 0]) if batch[0].ndim > 1 else float(batch[0][0]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_set_epoch_reaches_an_iterable_dataset(tmp_path):
+    stream = EpochStream()
+    cb = FastDataCallback(print_report=False)
+    model = Recording()
+    make_trainer(tmp_path, max_epochs=3, callbacks=[cb]).fit(model, DataLoader(stream, batch_size=4))
+    assert stream.calls == [0, 1, 2]
+    assert ("loader[0].dataset", 2) in cb.set_epoch_calls
+    assert len(set(model.first_of_epoch)) == 3  # a new order every epoch
+
+
+def test_set_epoch_reaches_a_custom_batch_sampler_but_not_what_lightning_covers(tmp_path):
+    sampler = EpochBatchSampler()
+    cb = FastDataCallback(print_report=False)
+    make_trainer(tmp_path, max_epochs=2, callbacks=[cb]).fit(
+        SpendingModel(Spend(0.0)), DataLoader(Vectors(16), batch_sampler=sampler))
+    assert sampler.calls == [0, 1]
+    assert {where for where, _ in cb.set_epoch_calls} == {"loader[0].batch_sampler"}
+
+
+def test_without_set_epoch_the_stream_repeats_its_order(tmp_path):
+    stream = EpochStream()
+    model = Recording()
+    cb = FastDataCallback(print_report=False, set_epoch=False)
+    make_trainer(tmp_path, max_epochs=2, callbacks=[cb]).fit(model, DataLoader(stream, batch_size=4))
+    assert stream.calls == [] and len(set(model.first_of_epoch)) == 1
+
+
+def test_plan_is_logged_once_and_memory_per_epoch(tmp_path, cache_dir):
+    logger = CSVLogger(str(tmp_path), name="logs")
+    dm = TinyDataModule(n=32, batch_size=8, cache_dir=str(cache_dir), device="cpu")
+    cb = FastDataCallback(print_report=False)
+    make_trainer(tmp_path, max_epochs=2, callbacks=[cb], logger=logger).fit(TinyModel(), dm)
+    hparams = yaml.safe_load(open(Path(logger.log_dir) / "hparams.yaml"))
+    assert hparams["fastdata_plan"]["strategy"] == dm.plan.strategy
+    assert "strategy" in hparams["fastdata_plan"]["reasons"]
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    rss = [float(r["fastdata/host_rss_mb"]) for r in rows if r.get("fastdata/host_rss_mb")]
+    assert len(rss) == 2 and all(v > 10 for v in rss)
+    assert len(cb.memory) == 2
+    rep = cb.report()
+    assert rep["steps"] == 8 and rep["samples"] == 64
+    assert rep["stages"]["validate"]["steps"] == 2 * 4
+
+
+def test_plain_loaders_log_their_settings(tmp_path):
+    logger = CSVLogger(str(tmp_path), name="logs")
+    cb = FastDataCallback(print_report=False)
+    make_trainer(tmp_path, callbacks=[cb], logger=logger).fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    hparams = yaml.safe_load(open(Path(logger.log_dir) / "hparams.yaml"))
+    assert hparams["fastdata_loader"] == {"kind": "dataloader", "num_workers": 0, "pin_memory": False,
+                                          "persistent_workers": False}
+
+
+def test_works_with_any_lightning_datamodule(tmp_path):
+    class Plain(L.LightningDataModule):
+        def train_dataloader(self):
+            return loader(16, 4, Spend(0.0))
+
+        def val_dataloader(self):
+            return loader(8, 4, Spend(0.0))
+
+    cb = FastDataCallback(print_report=False)
+    make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(0.0)), datamodule=Plain())
+    rep = cb.report()
+    assert rep["steps"] == 4 and rep["stages"]["validate"]["steps"] == 2
+    assert rep["verdict"] in ("data-bound", "compute-bound")
+
+
+def test_profile_off_records_and_wraps_nothing(tmp_path):
+    cb = FastDataCallback(profile=False)
+    trainer = make_trainer(tmp_path, callbacks=[cb])
+    seen = {}
+    orig = trainer.strategy.batch_to_device
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen["wrapped"] = "batch_to_device" in vars(trainer.strategy)
+
+    trainer.callbacks.append(Probe())
+    trainer.fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    assert seen == {"wrapped": False} and trainer.strategy.batch_to_device == orig
+    assert cb.report()["steps"] == 0 and cb.report()["verdict"] == "no steps"
+    assert len(cb.memory) == 1  # the rest of the callback still runs
+
+
+def test_worker_seeding_hook_runs_before_the_loaders_exist(tmp_path):
+    calls = []
+
+    class Hooked(FastDataCallback):
+        def _install_worker_seeding(self, trainer):
+            calls.append(trainer.fit_loop._combined_loader)
+
+    make_trainer(tmp_path, callbacks=[Hooked(print_report=False)]).fit(
+        SpendingModel(Spend(0.0)), loader(8, 4, Spend(0.0)))
+    assert calls == [None]
+
+
+def test_the_report_is_printed_at_fit_end(tmp_path, caplog):
+    cb = FastDataCallback()
+    with caplog.at_level("INFO"):
+        make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(0.0)), loader(8, 4, Spend(0.0)))
+    assert "lightning_fastdata profile" in caplog.text and "verdict:" in caplog.text
+
+
+def test_is_a_data_wait_profiler_with_the_demo_keys():
+    cb = FastDataCallback()
+    assert isinstance(cb, DataWaitProfiler)
+    assert {"data_wait_frac", "epoch_time_s", "samples", "steps", "data_wait_s", "compute_s"} <= set(cb.report())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(profile="yes"), "profile must be True or False"),
+    (dict(log_memory=1), "log_memory must be True or False"),
+    (dict(replay_steps=-3), "replay_steps must be an int >= 0, got -3"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FastDataCallback(**kwargs)
+
+
+@pytest.mark.slow
+def test_ddp_logs_the_slowest_ranks_wait(tmp_path, monkeypatch):
+    """Rank 1's loader is 8x slower; the logged per-step wait is rank 1's, not rank 0's."""
+    # ddp_spawn's rank 0 leaves an empty tempfile.mkdtemp() behind (Lightning's launcher removes
+    # the checkpoint, not its directory): point the spawned processes' TMPDIR into tmp_path.
+    (tmp_path / "spawn-tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "spawn-tmp"))
+    logger = CSVLogger(str(tmp_path), name="ddp", version=0)
+    cb = FastDataCallback(print_report=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=logger,
+                        log_every_n_steps=2, callbacks=[cb], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(SpendingModel(Spend(0.0)), loader(32, 4, Spend(0.005, per_rank={1: 0.04})))
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    waits = [float(r["fastdata/data_wait_ms"]) for r in rows if r.get("fastdata/data_wait_ms")]
+    assert len(waits) == 2  # 4 steps per rank, every 2nd logged
+    assert all(w > 30 for w in waits), waits
+    epoch = [float(r["fastdata/epoch/data_wait_ms_p50"]) for r in rows if r.get("fastdata/epoch/data_wait_ms_p50")]
+    assert len(epoch) == 1 and epoch[0] > 30

@@ -1,0 +1,348 @@
+"""DataWaitProfiler: exact figures on a fake clock, real figures within 10%, logging, verdict, replay."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers import trainer as make_trainer
+from _timing import (
+    COMPUTE,
+    FETCH,
+    OVERHEAD,
+    TRANSFER,
+    FakeClock,
+    Spend,
+    SpendBeforeBatch,
+    SpendingModel,
+    loader,
+)
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_fastdata import DataWaitProfiler
+from lightning_fastdata.plan import Plan, Resources
+from lightning_fastdata.profiler import advise, format_report, summarize, verdict_of
+
+GB = 10**9
+
+
+def _fit_fake(tmp_path, fetch=FETCH, transfer=TRANSFER, compute=COMPUTE, overhead=OVERHEAD, epochs=2,
+              val=True, **trainer_kwargs):
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    model = SpendingModel(Spend(compute, clock), Spend(transfer, clock), Spend(COMPUTE / 2, clock))
+    val_loader = loader(8, 4, Spend(FETCH / 2, clock)) if val else None
+    trainer_kwargs.setdefault("callbacks", [SpendBeforeBatch(Spend(overhead, clock)), prof])
+    trainer = make_trainer(tmp_path, max_epochs=epochs, **trainer_kwargs)
+    trainer.fit(model, loader(24, 4, Spend(fetch, clock)), val_loader)
+    return prof, trainer, model
+
+
+def test_fake_clock_gives_exact_figures(tmp_path):
+    prof, _, _ = _fit_fake(tmp_path)
+    rep = prof.report()
+    train = rep["stages"]["train"]
+    steps = 2 * 6
+    assert rep["steps"] == train["steps"] == steps
+    assert rep["samples"] == 2 * 24
+    wait = FETCH + TRANSFER
+    assert rep["data_wait_s"] == steps * wait
+    assert rep["compute_s"] == steps * COMPUTE
+    assert rep["overhead_s"] == steps * OVERHEAD
+    assert rep["step_s"] == steps * (wait + COMPUTE + OVERHEAD)
+    assert rep["data_wait_frac"] == wait / (wait + COMPUTE + OVERHEAD)
+    assert train["fetch_ms_mean"] == pytest.approx(1e3 * FETCH, abs=1e-9)
+    assert train["transfer_ms_mean"] == pytest.approx(1e3 * TRANSFER, abs=1e-9)
+    for name, value in (("data_wait", wait), ("compute", COMPUTE), ("overhead", OVERHEAD)):
+        for q in ("mean", "p50", "p95"):
+            assert train[f"{name}_ms_{q}"] == pytest.approx(1e3 * value, abs=1e-9)
+    assert rep["epoch_time_s"] == 6 * (wait + COMPUTE + OVERHEAD) + 2 * (FETCH / 2 + TRANSFER + COMPUTE / 2)
+    assert "gpu_idle_frac" not in train  # CPU run
+
+
+def test_validation_steps_are_timed_and_sanity_check_is_not(tmp_path):
+    prof, _, _ = _fit_fake(tmp_path)  # default num_sanity_val_steps=2 runs but is excluded
+    val = prof.report()["stages"]["validate"]
+    assert val["steps"] == 2 * 2  # 8 samples / 4 per batch, 2 epochs
+    assert val["data_wait_s"] == 4 * (FETCH / 2 + TRANSFER)
+    assert val["compute_s"] == 4 * (COMPUTE / 2)
+    assert val["overhead_s"] == 0.0
+    assert len(val["epochs"]) == 2
+
+
+def test_wrapped_calls_are_restored_after_fit(tmp_path):
+    prof, trainer, model = _fit_fake(tmp_path, epochs=1)
+    assert "batch_to_device" not in vars(trainer.strategy)
+    for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop):
+        assert "_on_before_fetch" not in vars(loop) and "_on_after_fetch" not in vars(loop)
+
+
+def test_fetch_inside_a_dataloader_iter_step_is_wait_not_compute(tmp_path):
+    clock = FakeClock()
+
+    class IterModel(SpendingModel):
+        def training_step(self, dataloader_iter):
+            batch, _, _ = next(dataloader_iter)
+            self.step()
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    trainer = make_trainer(tmp_path, callbacks=[prof], limit_train_batches=4)
+    trainer.fit(IterModel(Spend(COMPUTE, clock)), loader(32, 4, Spend(FETCH, clock)))
+    train = prof.report()["stages"]["train"]
+    assert train["steps"] >= 3
+    assert train["compute_ms_p50"] == pytest.approx(1e3 * COMPUTE, abs=1e-9)
+    assert train["data_wait_ms_p50"] == pytest.approx(1e3 * FETCH, abs=1e-9)
+
+
+def test_verdict_flips_between_data_and_compute_bound(tmp_path):
+    slow_data, _, _ = _fit_fake(tmp_path / "a", fetch=4 * COMPUTE, epochs=1, val=False)
+    slow_model, _, _ = _fit_fake(tmp_path / "b", fetch=COMPUTE / 4, compute=8 * COMPUTE, epochs=1, val=False)
+    a, b = slow_data.report(), slow_model.report()
+    assert a["verdict"] == "data-bound"
+    assert a["share"] == a["data_wait_frac"] == (4 * COMPUTE + TRANSFER) / (5 * COMPUTE + TRANSFER + OVERHEAD)
+    assert b["verdict"] == "compute-bound"
+    assert b["share"] == b["compute_frac"] == 8 * COMPUTE / (COMPUTE / 4 + TRANSFER + 8 * COMPUTE + OVERHEAD)
+    # The plain main-process loader gets concrete advice only when data-bound.
+    assert any("num_workers=0" in line for line in a["advice"])
+    assert not any("num_workers" in line for line in b["advice"])
+    assert any(line.startswith("compute-bound") for line in b["advice"])
+    text = format_report(a)
+    assert "verdict: data-bound" in text and "train:" in text
+
+
+def test_per_step_figures_reach_a_csv_logger_exactly(tmp_path):
+    logger = CSVLogger(str(tmp_path), name="csv")
+    _fit_fake(tmp_path, epochs=1, logger=logger, log_every_n_steps=2)
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    steps = [r for r in rows if r.get("fastdata/data_wait_ms")]
+    assert [int(r["step"]) for r in steps] == [1, 3, 5]  # log_every_n_steps=2, as Lightning's own logs
+    for r in steps:
+        assert float(r["fastdata/data_wait_ms"]) == pytest.approx(1e3 * (FETCH + TRANSFER))
+        assert float(r["fastdata/compute_ms"]) == pytest.approx(1e3 * COMPUTE)
+        assert float(r["fastdata/overhead_ms"]) == pytest.approx(1e3 * OVERHEAD)
+        total = FETCH + TRANSFER + COMPUTE + OVERHEAD
+        assert float(r["fastdata/data_wait_frac"]) == pytest.approx((FETCH + TRANSFER) / total)
+    epoch = [r for r in rows if r.get("fastdata/epoch/data_wait_ms_p95")]
+    assert len(epoch) == 1
+    assert float(epoch[0]["fastdata/epoch/compute_ms_p50"]) == pytest.approx(1e3 * COMPUTE)
+    assert any(r.get("fastdata/val/epoch/data_wait_ms_mean") for r in rows)
+
+
+def _real_fit(tmp_path, fetch_s, step_s, batches=10, **kwargs):
+    prof = DataWaitProfiler(print_report=False, **kwargs)
+    logger = CSVLogger(str(tmp_path), name="real")
+    trainer = make_trainer(tmp_path, callbacks=[prof], logger=logger, log_every_n_steps=1,
+                           num_sanity_val_steps=0)
+    trainer.fit(SpendingModel(Spend(step_s)), loader(4 * batches, 4, Spend(fetch_s)))
+    return prof, Path(logger.log_dir) / "metrics.csv"
+
+
+def _within(measured: float, truth: float, tol: float = 0.10) -> bool:
+    return abs(measured - truth) <= tol * truth
+
+
+@pytest.mark.slow
+def test_real_sleeps_are_reported_within_ten_percent(tmp_path):
+    fetch_ms, step_ms = 30.0, 40.0
+    for attempt in range(3):  # a busy 2-core machine may oversleep a whole run; retry
+        prof, metrics = _real_fit(tmp_path / str(attempt), fetch_ms / 1e3, step_ms / 1e3)
+        train = prof.report()["stages"]["train"]
+        rows = [r for r in csv.DictReader(open(metrics)) if r.get("fastdata/data_wait_ms")]
+        csv_wait = statistics.median(float(r["fastdata/data_wait_ms"]) for r in rows)
+        csv_compute = statistics.median(float(r["fastdata/compute_ms"]) for r in rows)
+        ok = (_within(train["data_wait_ms_p50"], fetch_ms) and _within(train["compute_ms_p50"], step_ms)
+              and _within(csv_wait, fetch_ms) and _within(csv_compute, step_ms))
+        if ok:
+            break
+    assert train["steps"] == 10 and len(rows) == 10
+    assert _within(train["data_wait_ms_p50"], fetch_ms), train
+    assert _within(train["compute_ms_p50"], step_ms), train
+    assert _within(csv_wait, fetch_ms) and _within(csv_compute, step_ms), (csv_wait, csv_compute)
+    assert train["verdict"] == "compute-bound"
+
+
+@pytest.mark.slow
+def test_replay_reports_the_compute_only_step_within_ten_percent(tmp_path):
+    step_ms = 30.0
+    for attempt in range(3):
+        prof, _ = _real_fit(tmp_path / str(attempt), 0.02, step_ms / 1e3, batches=4, replay_steps=6,
+                            replay_batches=2, replay_warmup=1)
+        replay = prof.report()["replay"]
+        if _within(replay["step_ms"], step_ms):
+            break
+    assert replay["steps"] == 6 and replay["batches"] == 2
+    assert _within(replay["step_ms"], step_ms), replay
+    # The real loader adds its 20 ms fetch on top of the compute-only step.
+    assert replay["real_step_ms"] > replay["step_ms"] and replay["slowdown"] > 1.3
+    assert any(line.startswith("replay:") for line in prof.report()["advice"])
+
+
+def test_replay_leaves_the_trained_model_untouched(tmp_path):
+    def train(replay_steps):
+        torch.manual_seed(0)
+        model = SpendingModel(Spend(0.0))
+        prof = DataWaitProfiler(replay_steps=replay_steps, replay_warmup=1, print_report=False)
+        make_trainer(tmp_path, callbacks=[prof]).fit(model, loader(16, 4, Spend(0.0)))
+        return model, prof
+
+    plain, _ = train(0)
+    replayed, prof = train(5)
+    assert prof.report()["replay"]["steps"] == 5
+    for a, b in zip(plain.parameters(), replayed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert "log" not in vars(replayed)
+
+
+# ---------------------------------------------------------------------- advice (pure)
+
+
+def _summary(wait, compute, overhead, transfer=0.0):
+    rows = [[wait + compute + overhead, wait, wait - transfer, transfer, compute, overhead, float("nan"), 1]]
+    s = summarize(rows)
+    s.update(verdict_of(s))
+    return s
+
+
+def _resources(device_type="cuda", total=80 * GB):
+    return Resources(physical_cores=8, logical_cores=8, ram_total=256 * GB, ram_available=200 * GB,
+                     device_type=device_type, device_total=total, device_free=total, shm_free=64 * GB)
+
+
+def test_advice_moves_a_store_that_fits_onto_the_device():
+    plan = Plan("workers", num_workers=7, store_nbytes=int(1.4 * GB), resources=_resources())
+    advice = advise(_summary(0.063, 0.030, 0.007), {"plan": plan, "vram_fraction": 0.6, "cores": 8,
+                                                    "device_type": "cuda",
+                                                    "loader": {"num_workers": 7, "pin_memory": True}})
+    assert advice[0] == "data wait is 63% of the step; the store (1.4 GB) fits 60% of this GPU's 80.0 GB: " \
+                        "set strategy=device"
+    assert any("workers are saturated: 7 workers + the main process on 8 cores" in a for a in advice)
+
+
+def test_advice_keeps_a_store_too_large_for_the_device_on_the_host():
+    plan = Plan("workers", num_workers=2, store_nbytes=60 * GB, resources=_resources())
+    advice = advise(_summary(0.06, 0.03, 0.01), {"plan": plan, "cores": 8, "device_type": "cuda",
+                                                 "loader": {"num_workers": 2, "pin_memory": False}})
+    assert "stays on the host" in advice[0]
+    assert any("raise num_workers to 7" in a for a in advice)
+    assert any(a.startswith("set pin_memory=True") for a in advice)
+
+
+def test_advice_for_a_plain_dataloader_with_saturated_workers():
+    advice = advise(_summary(0.05, 0.02, 0.0), {"plan": None, "cores": 2, "device_type": "cpu",
+                                                "loader": {"kind": "dataloader", "num_workers": 2}})
+    assert any(a.startswith("workers are saturated: 2 of 2 cores") for a in advice)
+
+
+def test_advice_for_data_on_the_device_points_at_augmentation():
+    plan = Plan("device", store_nbytes=GB, resources=_resources())
+    advice = advise(_summary(0.02, 0.01, 0.0, transfer=0.015), {"plan": plan, "cores": 8, "device_type": "cuda",
+                                                                 "loader": {"kind": "device"}})
+    assert "already on the device" in advice[0] and "15.0 of 20.0 ms" in advice[0]
+    assert not any("num_workers" in a for a in advice)
+
+
+def test_advice_flags_framework_overhead():
+    advice = advise(_summary(0.0, 0.01, 0.01), {"cores": 2})
+    assert any(a.startswith("framework overhead is 50%") for a in advice)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(replay_steps=-1), "replay_steps"),
+    (dict(replay_batches=0), "replay_batches"),
+    (dict(max_pending=True), "max_pending"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DataWaitProfiler(**kwargs)
+
+
+def test_clock_must_be_callable():
+    with pytest.raises(TypeError, match="clock"):
+        DataWaitProfiler(clock=1.0)
+
+
+class _SimulatedEvent:
+    """A CUDA event stand-in on the fake clock: it completes once 2 newer events were recorded."""
+
+    clock: FakeClock
+    recorded: list[_SimulatedEvent] = []
+    blocking_waits = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = self.clock()
+        self.recorded.append(self)
+
+    def query(self) -> bool:
+        return len(self.recorded) - self.recorded.index(self) > 2
+
+    def synchronize(self) -> None:
+        if not self.query():
+            type(self).blocking_waits += 1
+
+    def elapsed_time(self, end: _SimulatedEvent) -> float:
+        return 1e3 * (end.t - self.t)
+
+
+def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
+    """The GPU code path (lazy event reads, idle gap, gpu_idle_frac) with events on the fake clock."""
+    clock = FakeClock()
+    _SimulatedEvent.clock, _SimulatedEvent.recorded, _SimulatedEvent.blocking_waits = clock, [], 0
+    monkeypatch.setattr(torch.cuda, "Event", _SimulatedEvent)
+
+    class OnDevice(DataWaitProfiler):
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            self._cuda = True
+            self.resolved_at_end: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self.resolved_at_end.append(self._train.resolved)
+
+    prof = OnDevice(clock=clock, print_report=False)
+    logger = CSVLogger(str(tmp_path), name="sim")
+    trainer = make_trainer(tmp_path, callbacks=[SpendBeforeBatch(Spend(OVERHEAD, clock)), prof], logger=logger,
+                           log_every_n_steps=3)
+    trainer.fit(SpendingModel(Spend(COMPUTE, clock), Spend(TRANSFER, clock)), loader(32, 4, Spend(FETCH, clock)))
+    # Reads lag the steps (no per-step wait): after step k only the events of step k-1 are complete.
+    assert prof.resolved_at_end == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert _SimulatedEvent.blocking_waits == 1  # the last step's events, drained once at epoch end
+    train = prof.report()["stages"]["train"]
+    wait = FETCH + TRANSFER
+    assert train["compute_s"] == 8 * COMPUTE and train["data_wait_s"] == 8 * wait
+    assert train["overhead_s"] == 8 * OVERHEAD
+    idle = 7 * (wait + OVERHEAD)  # the first step of the epoch has no previous end
+    assert train["gpu_idle_frac"] == pytest.approx(idle / (idle + 8 * COMPUTE))
+    rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("fastdata/gpu_idle_frac")]
+    assert len(rows) == 2  # steps 3 and 6 of 8, from the steps resolved by then
+    assert float(rows[1]["fastdata/gpu_idle_frac"]) == pytest.approx((wait + OVERHEAD) / (wait + OVERHEAD + COMPUTE))
+
+
+def test_validate_alone_is_timed(tmp_path):
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    model = SpendingModel(Spend(COMPUTE, clock), Spend(TRANSFER, clock), Spend(COMPUTE, clock))
+    trainer = make_trainer(tmp_path, callbacks=[prof])
+    trainer.validate(model, loader(12, 4, Spend(FETCH, clock)), verbose=False)
+    val = prof.report()["stages"]["validate"]
+    assert val["steps"] == 3 and prof.report()["steps"] == 0
+    assert val["data_wait_s"] == 3 * (FETCH + TRANSFER) and val["compute_s"] == 3 * COMPUTE
+    assert "batch_to_device" not in vars(trainer.strategy)
+
+
+def test_a_second_profiler_stays_idle_with_a_warning(tmp_path):
+    first, second = DataWaitProfiler(print_report=False), DataWaitProfiler(print_report=False)
+    trainer = make_trainer(tmp_path, callbacks=[first, second])
+    with pytest.warns(UserWarning, match="another DataWaitProfiler/FastDataCallback already times this Trainer"):
+        trainer.fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    assert first.report()["steps"] == 4 and second.report()["steps"] == 0
+    assert "batch_to_device" not in vars(trainer.strategy)
+    assert "_on_before_fetch" not in vars(trainer.fit_loop.epoch_loop)
