@@ -16,6 +16,7 @@ It works with any LightningDataModule or plain dataloaders, not only
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,8 +24,10 @@ from typing import Any
 import lightning as L
 import psutil
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_fastdata.profiler import DataWaitProfiler, loader_info
+from lightning_fastdata.seeding import install_worker_seeding, randomness_repeats, set_worker_epoch
 
 
 class FastDataCallback(DataWaitProfiler):
@@ -37,15 +40,19 @@ class FastDataCallback(DataWaitProfiler):
         print_report: Print the profile report at the end of ``fit`` (rank 0).
         set_epoch: Call ``set_epoch`` where Lightning does not.
         log_memory: Log device memory at each training epoch end.
+        seed_workers: Install per-(seed, rank, worker, epoch) seeding into DataLoaders that
+            lack it (the user's ``worker_init_fn`` still runs, after ours), and warn once
+            when a loader's randomness would repeat.
         clock: Time source in seconds (tests inject a fake one).
     """
 
     def __init__(self, profile: bool = True, replay_steps: int = 0, replay_batches: int = 4,
                  print_report: bool = True, set_epoch: bool = True, log_memory: bool = True,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 seed_workers: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(clock=clock, replay_steps=replay_steps, replay_batches=replay_batches,
                          print_report=print_report)
-        for name, value in (("profile", profile), ("set_epoch", set_epoch), ("log_memory", log_memory)):
+        for name, value in (("profile", profile), ("set_epoch", set_epoch), ("log_memory", log_memory),
+                            ("seed_workers", seed_workers)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         self._enabled = profile
@@ -53,6 +60,10 @@ class FastDataCallback(DataWaitProfiler):
         self.set_epoch_calls: list[tuple[str, int]] = []
         self.memory: list[dict[str, float]] = []
         self._plan_logged = False
+        self.seed_workers = seed_workers
+        self.seeded_loaders = 0
+        self._warned_repeats = False
+        self._process_dataloader: tuple[Any, Any] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Install worker seeding, then the profiler's timers."""
@@ -62,10 +73,43 @@ class FastDataCallback(DataWaitProfiler):
     def _install_worker_seeding(self, trainer: L.Trainer) -> None:
         """Give DataLoader workers distinct, reproducible seeds where the loader has none of ours.
 
-        Called from :meth:`setup`, before the loops build and iterate the dataloaders (the
-        last moment to wrap loader factories). Deliberately a no-op here: the lead wires it
-        to :mod:`lightning_fastdata.seeding`.
+        Lightning may rebuild a DataLoader (to add a ``DistributedSampler``) and starts the
+        first epoch's workers inside its loops, after every callback hook has run. The one
+        place that sees each final loader before its workers start is
+        ``strategy.process_dataloader``, so it is wrapped here (and restored in
+        :meth:`teardown`).
         """
+        if not self.seed_workers:
+            return
+        strategy = trainer.strategy
+        if self._process_dataloader is not None:
+            return
+        original = strategy.process_dataloader
+        self._process_dataloader = (strategy, original)
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = original(dataloader)
+            self._seed_loader(trainer, dataloader)
+            return dataloader
+
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+    def _seed_loader(self, trainer: L.Trainer, dataloader: object) -> None:
+        seed = _base_seed(trainer)
+        if install_worker_seeding(dataloader, seed, trainer.global_rank):
+            set_worker_epoch(dataloader, trainer.current_epoch)
+            self.seeded_loaders += 1
+        reason = randomness_repeats(dataloader)
+        if reason is not None and not self._warned_repeats:
+            self._warned_repeats = True
+            rank_zero_warn(f"lightning_fastdata: {reason}")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._process_dataloader is not None:
+            strategy, original = self._process_dataloader
+            strategy.process_dataloader = original  # type: ignore[method-assign]
+            self._process_dataloader = None
+        super().teardown(trainer, pl_module, stage)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -83,6 +127,10 @@ class FastDataCallback(DataWaitProfiler):
             for where, obj in _uncovered_set_epoch(loaders):
                 obj.set_epoch(epoch)
                 self.set_epoch_calls.append((where, epoch))
+        if self.seed_workers:
+            # Persistent workers pick the new epoch up at their next fetch.
+            for dl in _flatten(trainer.train_dataloader):
+                set_worker_epoch(dl, trainer.fit_loop.epoch_progress.current.processed)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
@@ -140,3 +188,14 @@ def _plan_params(trainer: L.Trainer) -> dict[str, Any]:
         info = {}
     return {"fastdata_loader": info}
 
+
+
+def _base_seed(trainer: L.Trainer) -> int:
+    """The run's seed: the data module's, else ``seed_everything``'s, else this process's torch seed."""
+    seed = getattr(trainer.datamodule, "seed", None)
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
+        return seed
+    env = os.environ.get("PL_GLOBAL_SEED")
+    if env is not None and env.lstrip("-").isdigit():
+        return abs(int(env))
+    return torch.initial_seed() % (1 << 63)

@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -203,3 +204,80 @@ def test_ddp_logs_the_slowest_ranks_wait(tmp_path, monkeypatch):
     assert all(w > 30 for w in waits), waits
     epoch = [float(r["fastdata/epoch/data_wait_ms_p50"]) for r in rows if r.get("fastdata/epoch/data_wait_ms_p50")]
     assert len(epoch) == 1 and epoch[0] > 30
+
+
+# --------------------------------------------------------------------------- worker seeding
+
+
+class _Draws(torch.utils.data.Dataset):
+    """Each sample is (numpy draw, torch draw, worker id): what a random augmentation would see."""
+
+    def __init__(self, rng=None) -> None:
+        self.rng = rng
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([np.random.random(), torch.rand(()).item(), info.id if info else -1.0,
+                             getattr(self, "user_ran", 0.0)])
+
+
+class _DrawsModel(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.draws: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.draws.append(batch.clone())
+        return (self.w * batch.sum()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _user_fn(worker_id: int) -> None:
+    torch.utils.data.get_worker_info().dataset.user_ran = 1.0
+
+
+def _fit_draws(tmp_path, persistent: bool, rng=None):
+
+    class DM(L.LightningDataModule):
+        seed = 7
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_Draws(rng), batch_size=2, num_workers=2,
+                                               persistent_workers=persistent, worker_init_fn=_user_fn)
+
+    model = _DrawsModel()
+    cb = FastDataCallback(print_report=False)
+    L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb]).fit(model, DM())
+    return torch.cat(model.draws), cb
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_callback_seeds_plain_dataloader_workers_per_epoch(tmp_path, persistent):
+    a, cb = _fit_draws(tmp_path, persistent)
+    b, _ = _fit_draws(tmp_path, persistent)
+    assert cb.seeded_loaders == 1
+    assert torch.equal(a, b)  # reproducible
+    epoch0, epoch1 = a[:8], a[8:]
+    for w in (0.0, 1.0):
+        first0 = epoch0[epoch0[:, 2] == w][0, :2]
+        first1 = epoch1[epoch1[:, 2] == w][0, :2]
+        assert not torch.equal(first0, first1)  # epochs differ, persistent workers too
+    w0, w1 = epoch0[epoch0[:, 2] == 0][0, :2], epoch0[epoch0[:, 2] == 1][0, :2]
+    assert not torch.equal(w0, w1)  # workers differ
+
+
+def test_callback_keeps_user_worker_init_fn_and_warns_on_held_generator(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        draws, _ = _fit_draws(tmp_path, False, rng=np.random.RandomState(0))
+    assert (draws[:, 3] == 1.0).all()  # the user's worker_init_fn ran in every worker
+    assert any("dataset.rng is a random generator object" in str(w.message) for w in caught)
