@@ -168,10 +168,28 @@ class SharedArray(np.ndarray):
         if seg is None or seg.closed or context.get_spawning_popen() is None:
             # Not a process start (e.g. torch.save): keep ndarray's by-value pickling.
             return np.asarray(self).__reduce_ex__(protocol)
+        return _field, (seg.handle, self._lfd_index)
+
+
+class _Handle:
+    """What a spawned process receives for a segment: a duplicated descriptor and the header's facts.
+
+    All fields of a segment share one handle object, so pickle memoises it and the
+    descriptor crosses once per process start.
+    """
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+
+    def __reduce__(self) -> Any:
         from multiprocessing.reduction import DupFd
 
-        return _attach_field, (DupFd(seg.fd), seg.size, seg.token, seg.fingerprint, seg.layout,
-                               self._lfd_index)
+        s = self.seg
+        return _attach_handle, (DupFd(s.fd), s.size, s.token, s.fingerprint, s.layout)
+
+
+def _field(mm: mmap.mmap, index: int) -> np.ndarray:
+    return _view(mm, json.loads(bytes(mm[_HEAD.size:_HEAD.size + _HEAD.unpack_from(mm, 0)[-1]]))[index])
 
 
 #: Segments attached by spawned processes, by token: one mapping per process, not per field.
@@ -179,20 +197,19 @@ _ATTACHED: dict[str, mmap.mmap] = {}
 _ATTACHED_LOCK = threading.Lock()
 
 
-def _attach_field(dupfd: Any, size: int, token: str, fp: str, layout: list[dict[str, Any]],
-                  index: int) -> np.ndarray:
-    """Rebuild a field in a spawned process from a duplicated descriptor (no copy of the data)."""
+def _attach_handle(dupfd: Any, size: int, token: str, fp: str, layout: list[dict[str, Any]]) -> mmap.mmap:
+    """Map a segment in a spawned process from a duplicated descriptor (no copy of the data)."""
     fd = dupfd.detach()
     try:
         with _ATTACHED_LOCK:
             mm = _ATTACHED.get(token)
             if mm is None:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                _verify(mm, size, token, fp, layout, where=f"segment {token} in a DataLoader worker")
+                _verify(mm, size, token, fp, layout, where=f"segment {token} in a spawned process")
                 _ATTACHED[token] = mm
     finally:
         os.close(fd)
-    return _view(mm, layout[index])
+    return mm
 
 
 def _view(mm: mmap.mmap, entry: dict[str, Any]) -> np.ndarray:
@@ -261,6 +278,9 @@ class Segment:
     layout: list[dict[str, Any]]
     original: list[np.ndarray] | None = None
     closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.handle = _Handle(self)
 
     @property
     def path(self) -> Path:
