@@ -316,29 +316,38 @@ def _segment_name(token: str, split: str) -> str:
     return f"{prefix()}{os.getpid()}_{token}_{safe}"
 
 
-def _fill(mm: mmap.mmap, store: Store, layout: list[dict[str, Any]]) -> None:
-    """Copy the fields into the mapping; a memmapped field is read with file reads, not mapped."""
+def _fill(fd: int, store: Store, layout: list[dict[str, Any]]) -> None:
+    """Write the fields into the segment with ``pwrite``.
+
+    The leader never maps the pages it writes, so they count against no process until
+    someone reads them; a memmapped field is read with file reads for the same reason.
+    """
     for arr, entry in zip(store.fields, layout, strict=True):
         off, nbytes = entry["offset"], entry["nbytes"]
         filename = getattr(arr, "filename", None)
         src_off = getattr(arr, "offset", None)
         if filename is not None and src_off is not None and arr.flags.c_contiguous:
-            # Reading through the memmap would map every page of the cache file into this
-            # process (unique memory); plain reads only pass through the page cache.
             base = src_off + _memmap_view_offset(arr)
+            buf = bytearray(min(nbytes, _COPY_BLOCK))
             with open(filename, "rb", buffering=0) as f:
                 done = 0
                 while done < nbytes:
-                    f.seek(base + done)
-                    got = f.readinto(memoryview(mm)[off + done:off + min(nbytes, done + _COPY_BLOCK)])
+                    want = min(len(buf), nbytes - done)
+                    got = os.preadv(f.fileno(), [memoryview(buf)[:want]], base + done)
                     if not got:
                         raise SharedMemoryError(f"{filename} ended early while copying it to shared memory")
+                    _pwrite_all(fd, memoryview(buf)[:got], off + done)
                     done += got
             continue
-        flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-        dst = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=off)
+        flat = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
         for a in range(0, nbytes, _COPY_BLOCK):
-            dst[a:a + _COPY_BLOCK] = flat[a:a + _COPY_BLOCK]
+            _pwrite_all(fd, flat[a:a + _COPY_BLOCK], off + a)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _memmap_view_offset(arr: np.ndarray) -> int:
@@ -366,11 +375,10 @@ def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, An
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, size)  # a filesystem without fallocate: size only, checked up front
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        head = _header(size, token, fp, layout, ready=0)
-        mm[:len(head)] = head
-        _fill(mm, store, layout)
-        mm[_READY_OFFSET:_READY_OFFSET + 4] = struct.pack("<I", 1)
+        _pwrite_all(fd, memoryview(_header(size, token, fp, layout, ready=0)), 0)
+        _fill(fd, store, layout)
+        _pwrite_all(fd, memoryview(struct.pack("<I", 1)), _READY_OFFSET)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         return Segment(name, fd, mm, size, token, fp, layout)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

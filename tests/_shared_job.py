@@ -2,7 +2,7 @@
 
 Modes:
     stall-in-fill          one process that stops inside the leader's fill (prints "filling")
-    gloo-rank OUT SCENARIO a rank of a plain gloo job calling ``share_stores`` ("fp", "attach-exit")
+    gloo-rank OUT          a rank of a plain gloo job calling ``share_stores``
     fit-rank CACHE OUT MODE N  a rank of a Lightning ``ddp`` fit on CPU ("normal", "raise", "slow")
 The ranks read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
@@ -78,7 +78,10 @@ def _init_gloo() -> int:
     return rank
 
 
-def _gloo_rank(out: Path, scenario: str) -> None:
+def _gloo_rank(out: Path) -> None:
+    """Ranks with different data are refused; then an attaching rank exits first, harmlessly."""
+    from multiprocessing import resource_tracker
+
     import torch.distributed as dist
 
     from lightning_fastdata.shared import SharedMemoryError, share_stores
@@ -87,34 +90,31 @@ def _gloo_rank(out: Path, scenario: str) -> None:
     rank = _init_gloo()
     data = np.arange(1 << 16, dtype=np.int64).reshape(256, 256)
     result: dict = {"pid": os.getpid()}
-    if scenario == "fp":
-        store = Store.from_arrays((data,), fingerprint=f"{rank}" * 64)
-        try:
-            share_stores({"train": store})
-        except SharedMemoryError as e:
-            result["error"] = str(e)
-    elif scenario == "attach-exit":
-        store = Store.from_arrays((data,), fingerprint="e" * 64)
-        share_stores({"train": store})
-        result["crc"] = zlib.crc32(store.fields[0].tobytes())
-        if rank == 0:
-            dist.barrier()  # rank 1 has read; it exits now, then this rank reads again
-            peer = json.loads((out / "rank1.pid").read_text())
-            deadline = time.monotonic() + 30
-            while psutil.pid_exists(peer) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.3)
-            result["crc_after_peer_exit"] = zlib.crc32(store.fields[0].tobytes())
-        else:
-            (out / "rank1.pid").write_text(json.dumps(os.getpid()))
-            dist.barrier()
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    if scenario == "attach-exit" and rank == 1:
-        os._exit(0)  # no teardown: the attaching rank simply goes away first
-    dist.destroy_process_group()
+    try:
+        share_stores({"train": Store.from_arrays((data,), fingerprint=f"{rank}" * 64)})
+    except SharedMemoryError as e:
+        result["error"] = str(e)
+    store = Store.from_arrays((data,), fingerprint="e" * 64)
+    share_stores({"train": store})
+    result["crc"] = zlib.crc32(store.fields[0].tobytes())
+    result["tracker_started"] = resource_tracker._resource_tracker._pid is not None
+    if rank == 0:
+        dist.barrier()  # rank 1 has read; it exits now, then this rank reads again
+        peer = json.loads((out / "rank1.pid").read_text())
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(peer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        result["crc_after_peer_exit"] = zlib.crc32(store.fields[0].tobytes())
+        (out / "rank0.json").write_text(json.dumps(result))
+    else:
+        (out / "rank1.json").write_text(json.dumps(result))
+        (out / "rank1.pid").write_text(json.dumps(os.getpid()))
+        dist.barrier()
+        os._exit(0)  # no teardown at all: the attaching rank simply goes away first
 
 
-def _fit_rank(cache: str, out: Path, mode: str, n: int) -> None:
+def _fit_rank(cache: str, out: Path, mode: str, n: int, shared_memory: str = "auto") -> None:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -131,8 +131,20 @@ def _fit_rank(cache: str, out: Path, mode: str, n: int) -> None:
         def setup(self, stage=None):
             record["uss_setup"] = me.memory_full_info().uss
             super().setup(stage)
+            record["uss_after_setup"] = me.memory_full_info().uss
             record["segment"] = self.stores["train"].meta.get("shared_memory")
+            record["setup_maps"] = shm_mappings()
             record["plan"] = str(self.plan)
+
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+
+            def worker_init(worker_id: int) -> None:
+                uss = psutil.Process().memory_full_info().uss
+                (out / f"rank{rank}.worker{os.getpid()}").write_text(str(uss))
+
+            loader.dataloader.worker_init_fn = worker_init
+            return loader
 
     class Model(L.LightningModule):
         def __init__(self):
@@ -158,14 +170,16 @@ def _fit_rank(cache: str, out: Path, mode: str, n: int) -> None:
         def on_train_epoch_end(self, trainer, pl_module):
             record["uss_end"] = me.memory_full_info().uss
             workers = me.children()
-            record["worker_uss"] = [w.memory_full_info().uss for w in workers]
+            record["worker_uss"] = [(w.memory_full_info().uss,
+                                     int((out / f"rank{rank}.worker{w.pid}").read_text())) for w in workers]
             record["maps"] = shm_mappings()
             record["worker_maps"] = [shm_mappings(w.pid) for w in workers]
 
         def on_train_end(self, trainer, pl_module):
             record["field_crcs"] = [zlib.crc32(a.tobytes()) for a in trainer.datamodule.stores["train"].fields]
 
-    dm = DM(batch_size=256, cache_dir=cache, strategy="workers", num_workers=2, device="cpu", progress=False)
+    dm = DM(batch_size=256, cache_dir=cache, strategy="workers", num_workers=2, device="cpu",
+            progress=False, shared_memory=shared_memory)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, num_nodes=1, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out),
@@ -184,10 +198,10 @@ if __name__ == "__main__":
     if what == "stall-in-fill":
         _stall_in_fill()
     elif what == "gloo-rank":
-        _gloo_rank(Path(sys.argv[2]), sys.argv[3])
+        _gloo_rank(Path(sys.argv[2]))
     elif what == "fit-rank":
         from _shared_job import _fit_rank as fit  # the dataset's class must be _shared_job.IndexedImages
 
-        fit(sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+        fit(sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]), *sys.argv[6:])
     else:
         raise SystemExit(f"unknown mode {what!r}")
