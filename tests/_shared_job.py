@@ -69,6 +69,13 @@ def _stall_in_fill() -> None:
     shared.share_stores({"train": store})
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _init_gloo() -> int:
     import torch.distributed as dist
 
@@ -102,7 +109,7 @@ def _gloo_rank(out: Path) -> None:
         dist.barrier()  # rank 1 has read; it exits now, then this rank reads again
         peer = json.loads((out / "rank1.pid").read_text())
         deadline = time.monotonic() + 30
-        while psutil.pid_exists(peer) and time.monotonic() < deadline:
+        while _running(peer) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)
         result["crc_after_peer_exit"] = zlib.crc32(store.fields[0].tobytes())

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
 
+import psutil
 import pytest
 from _shared_job import IndexedImages
 
@@ -41,59 +44,55 @@ def _shm_names() -> set[str]:
 
 
 class Job:
-    """Two ranks of one job in their own process group; logs in ``out``."""
+    """Two ranks of one job in their own process group; logs in ``out``.
+
+    The group is led by an idle anchor process that stays unreaped until :meth:`reap`,
+    so the group id cannot be reused by anyone else while the test signals it.
+    """
 
     def __init__(self, out: Path, *args: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         port = str(_free_port())
+        # Each job gets its own short TMPDIR (AF_UNIX paths are limited to 107 bytes), removed
+        # by reap(): persistent DataLoader workers stopped at exit leave multiprocessing's
+        # pymp-* directories behind (torch does this with or without shared memory).
+        self.tmp = tempfile.mkdtemp(prefix="lfdj-", dir="/tmp")
+        self.anchor = subprocess.Popen(["sleep", "900"], process_group=0)
+        self.pgid = self.anchor.pid
         self.procs: list[subprocess.Popen] = []
         for rank in range(2):
-            # Each job gets its own TMPDIR: persistent DataLoader workers stopped at exit leave
-            # multiprocessing's pymp-* directories behind (torch, also without shared memory).
-            (out / "tmp").mkdir(exist_ok=True)
-            env = dict(os.environ, TMPDIR=str(out / "tmp"), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+            env = dict(os.environ, TMPDIR=self.tmp, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                        OMP_NUM_THREADS="1")
-            log = open(out / f"rank{rank}.log", "w")  # closed below; the child keeps its copy
-            group = {"process_group": 0 if rank == 0 else self.procs[0].pid}
-            self.procs.append(subprocess.Popen([sys.executable, JOB, *args], env=env, stdout=log,
-                                               stderr=subprocess.STDOUT, **group))
-            log.close()
-
-    @property
-    def pgid(self) -> int:
-        return self.procs[0].pid
+            with open(out / f"rank{rank}.log", "w") as log:
+                self.procs.append(subprocess.Popen([sys.executable, JOB, *args], env=env, stdout=log,
+                                                   stderr=subprocess.STDOUT, process_group=self.pgid))
 
     def wait(self, timeout: float) -> list[int]:
-        """Exit codes; kills the whole job if it runs past ``timeout``."""
+        """Exit codes of the ranks; raises ``TimeoutExpired`` past ``timeout`` (then call :meth:`reap`)."""
         deadline = time.monotonic() + timeout
-        try:
-            return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        finally:
-            self.reap()
+        return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
 
-    def kill(self) -> None:
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for p in self.procs:
-            p.wait(timeout=30)
-
-    def reap(self) -> None:
-        """Wait until no process of the job (workers included) is left."""
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+    def _members(self) -> list[int]:
+        out = []
+        for p in psutil.process_iter(["pid", "status"]):
             try:
-                os.killpg(self.pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-        os.killpg(self.pgid, signal.SIGKILL)
+                if p.pid != self.pgid and os.getpgid(p.pid) == self.pgid and p.info["status"] != "zombie":
+                    out.append(p.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return out
+
+    def reap(self, grace: float = 20.0) -> None:
+        """Give the job's processes (workers included) ``grace`` seconds, kill what is left, clean up."""
+        deadline = time.monotonic() + grace
+        while self._members() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(self.pgid, signal.SIGKILL)  # the anchor keeps this group id ours until now
+        for p in (*self.procs, self.anchor):
+            p.wait(timeout=30)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def log(self) -> str:
         return "\n".join((self.out / f"rank{r}.log").read_text()[-3000:] for r in range(2))
@@ -112,7 +111,10 @@ def fit_cache(tmp_path_factory) -> str:
 
 def test_gloo_fingerprints_differ_then_attaching_rank_exits_first(tmp_path):
     job = Job(tmp_path, "gloo-rank", str(tmp_path))
-    assert job.wait(180) == [0, 0], job.log()
+    try:
+        assert job.wait(180) == [0, 0], job.log()
+    finally:
+        job.reap()
     r0, r1 = job.result(0), job.result(1)
     for r in (r0, r1):  # every rank gets the error, naming both fingerprints
         assert "0000000000000000" in r["error"] and "1111111111111111" in r["error"] and "'train'" in r["error"]
@@ -154,8 +156,12 @@ def test_ddp_fit_one_copy_per_node_and_two_jobs_apart(tmp_path, fit_cache):
     """Two 2-rank jobs x 2 workers per rank on the same dataset at once; the second raises in training_step."""
     ok = Job(tmp_path / "ok", "fit-rank", fit_cache, str(tmp_path / "ok"), "normal", str(N))
     boom = Job(tmp_path / "boom", "fit-rank", fit_cache, str(tmp_path / "boom"), "raise", str(N))
-    assert ok.wait(300) == [0, 0], ok.log()
-    codes = boom.wait(300)
+    try:
+        assert ok.wait(300) == [0, 0], ok.log()
+        codes = boom.wait(300)
+    finally:
+        for job in (ok, boom):
+            job.reap()
     assert all(c != 0 for c in codes) and "boom in training_step" in boom.log(), (codes, boom.log())
     assert _shm_names() == set()
     inode = _check_fit(ok)
@@ -182,9 +188,8 @@ def test_ddp_sigterm_of_the_job_and_sigkill_of_a_rank_mid_epoch(tmp_path, fit_ca
             try:
                 job.wait(60)
             except subprocess.TimeoutExpired:
-                pass  # a rank blocked on its dead peer: killed, as a scheduler would
+                pass  # a rank blocked on its dead peer: killed below, as a scheduler would
     finally:
         for job in jobs.values():
-            job.kill()
-            job.reap()
+            job.reap(grace=5)
     assert _shm_names() == set()
