@@ -10,6 +10,7 @@ from (seed, rank, epoch, batch index).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from lightning_fastdata.loaders import (
 from lightning_fastdata.placement import place
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
 from lightning_fastdata.seeding import WorkerSeeding, derive_seed
+from lightning_fastdata.shared import Segment, share_stores, worker_headroom
 from lightning_fastdata.store import (
     Store,
     StoreError,
@@ -167,6 +169,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self._placed: dict[str, list[torch.Tensor]] = {}
         self._chunks: dict[str, ChunkBuffers] = {}
         self._loaders: dict[str, _Loader] = {}
+        self._shared: dict[str, Segment] = {}
 
     # ------------------------------------------------------------------ user hooks
 
@@ -253,7 +256,8 @@ class OptimizedDataModule(L.LightningDataModule):
         nbytes = None if self._raw else sum(s.nbytes for s in self.stores.values())
         batch_sizes = {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
         config = self._plan_config()
-        plan = decide(nbytes, resources, config)
+        self.plan = plan = decide(nbytes, resources, config)
+        self._share_host_stores()
         # Place what is not placed yet; an OOM falls back a level, the same on every rank.
         todo = {s: st for s, st in self.stores.items() if s not in self._placed and s not in self._chunks}
         placement = place(todo, plan, device, config, batch_sizes, world_size=self._rank_world()[1])
@@ -290,9 +294,7 @@ class OptimizedDataModule(L.LightningDataModule):
                 return self._make_loader(split)
             finally:
                 self.plan = plan
-                loader = self._loaders.pop(split, None)
-            if hasattr(loader, "close"):
-                loader.close()  # persistent workers must not outlive the stage
+                self._loaders.pop(split, None)  # the measurement shuts its workers down
 
         measure_num_workers(plan, resources, config, make, device)
 
@@ -304,6 +306,67 @@ class OptimizedDataModule(L.LightningDataModule):
             loader = self._loaders.pop(split, None)
             if hasattr(loader, "close"):
                 loader.close()  # persistent workers must not outlive the stage
+            self._release_shared(split)
+
+    # ------------------------------------------------------------------ shared memory
+
+    def _local_place(self) -> tuple[int, int, int]:
+        """(global rank, local rank, local world size) from the Trainer, else the launcher's environment."""
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.global_rank, trainer.local_rank, trainer.num_devices
+        return D.rank(), D.local_rank(), D.local_world_size()
+
+    def _share_host_stores(self) -> None:
+        """Move host-resident stores to node-local shared memory when several processes read them.
+
+        With ``shared_memory="auto"`` that is when the plan reads the store from host memory
+        (``workers``, ``chunked``) with more than one local rank or any DataLoader worker;
+        ``"on"`` always shares (the ``device`` strategy then loads from it). Every rank
+        takes part, because the placement is collective.
+        """
+        plan = self.plan
+        assert plan is not None
+        rank, local_rank, local_world = self._local_place()
+        todo = {s: st for s, st in self.stores.items() if s not in self._shared}
+        readers = plan.strategy in ("workers", "chunked") and (local_world > 1 or plan.num_workers > 0)
+        want = self.shared_memory == "on" or (self.shared_memory == "auto" and readers)
+        if not todo:
+            return
+        # Ranks may plan differently (free memory differs); if one shares, all must take part.
+        if not D.all_reduce_max(float(want)):
+            plan.reasons["shared_memory"] = (
+                "off: set by configuration" if self.shared_memory == "off" else
+                f"not used: strategy {plan.strategy!r}, {local_world} local rank(s), {plan.num_workers} "
+                "worker(s): no host-memory store read by several processes"
+            )
+            return
+        row_bytes = max(sum(i.row_nbytes for i in st.infos) for st in todo.values())
+        headroom = worker_headroom(row_bytes * max(self.batch_size, self.eval_batch_size), plan.num_workers,
+                                   plan.prefetch_factor, local_world)
+        notes: list[str] = []
+
+        def warn(msg: str) -> None:
+            notes.append(msg)
+            if local_rank == 0:
+                warnings.warn(msg, UserWarning, stacklevel=3)
+
+        segments = share_stores(todo, headroom=headroom, fallback=self.shared_memory == "auto", warn=warn,
+                                rank=rank, local_rank=local_rank, local_world_size=local_world)
+        self._shared.update(segments)
+        if segments:
+            nbytes = sum(seg.size for seg in segments.values())
+            plan.reasons["shared_memory"] = (
+                f"on: one copy of {', '.join(sorted(segments))} ({nbytes / 1e6:.1f} MB) in /dev/shm for "
+                f"{local_world} local rank(s) x {max(plan.num_workers, 1)} reader(s) each"
+            )
+        else:
+            plan.reasons["shared_memory"] = "fallback to the disk cache: " + (notes[0] if notes else "")
+
+    def _release_shared(self, split: str) -> None:
+        seg = self._shared.pop(split, None)
+        if seg is not None:
+            seg.release(self.stores.get(split))
 
     # ------------------------------------------------------------------ loaders
 

@@ -1,0 +1,619 @@
+"""Node-local shared memory: one copy of a store per node, read by every rank and worker.
+
+The node's local rank 0 (the leader) creates one segment per store in ``/dev/shm``
+(exclusively, owner-only, never through a symlink), reserves its size with
+``posix_fallocate`` (so a full ``/dev/shm`` is an error up front, never a SIGBUS later),
+copies the store in and sets a ready flag. The other local ranks attach read-only and
+verify the header (magic, format version, job token, fingerprint, size, layout, ready).
+Once every local rank has attached, the leader unlinks the names: the memory lives
+exactly as long as some process maps it, so nothing outlives the job. DataLoader workers
+read the same pages: forked ones inherit the mapping; spawned ones receive a duplicate of
+the file descriptor when the dataset is pickled (:class:`SharedArray`). A segment left by
+a leader killed between create and unlink is removed by the sweep at the next start.
+
+Python's ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks a
+segment when the first attaching process exits and warns about "leaked" segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import mmap
+import os
+import secrets
+import signal
+import stat
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_fastdata import distributed as D
+from lightning_fastdata.plan import fmt_bytes
+from lightning_fastdata.store import Store
+
+#: Where segments live (a tmpfs on Linux).
+SHM_DIR = Path("/dev/shm")
+MAGIC = b"LFDSHM\x00\x01"
+VERSION = 1
+#: Header: magic, version, ready, total size, owner pid, owner start time, token,
+#: fingerprint, layout length; the JSON layout follows.
+_HEAD = struct.Struct("<8sIIQQQ16s64sI")
+_READY_OFFSET = 12
+_ALIGN = 4096
+_COPY_BLOCK = 32 << 20
+#: Minimum free space kept beyond the store for DataLoader batches in flight.
+MIN_HEADROOM = 16 << 20
+
+
+class SharedMemoryError(RuntimeError):
+    """Shared memory cannot hold the store, or a segment failed verification."""
+
+
+def prefix() -> str:
+    """The name prefix of this package's segments (``$LIGHTNING_FASTDATA_SHM_PREFIX``, ``lfd_``)."""
+    return os.environ.get("LIGHTNING_FASTDATA_SHM_PREFIX", "lfd_")
+
+
+def shm_free_bytes() -> int:
+    """Free bytes in ``/dev/shm`` for this user (0 when there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return int(st.f_bavail * st.f_frsize)
+
+
+def worker_headroom(batch_nbytes: int, num_workers: int, prefetch_factor: int | None,
+                    local_world_size: int) -> int:
+    """Space DataLoader workers need in ``/dev/shm`` for the batches they send to their rank."""
+    in_flight = max(0, num_workers) * (prefetch_factor or 2) * max(1, local_world_size)
+    return MIN_HEADROOM + 2 * in_flight * max(0, batch_nbytes)
+
+
+def too_small_message(needed: int, free: int, store_nbytes: int) -> str:
+    """The error text for a ``/dev/shm`` that cannot hold the stores."""
+    return (
+        f"lightning_fastdata: /dev/shm has {fmt_bytes(free)} free, one shared copy of the stores "
+        f"needs {fmt_bytes(needed)} ({fmt_bytes(store_nbytes)} of data plus "
+        f"{fmt_bytes(needed - store_nbytes)} for DataLoader batches in flight). Enlarge /dev/shm "
+        f"(Docker: --shm-size={_suggest(needed)}; Kubernetes: an emptyDir volume with medium: "
+        "Memory mounted at /dev/shm), or pass shared_memory='auto' to fall back to the "
+        "memory-mapped disk cache, or shared_memory='off'"
+    )
+
+
+def _suggest(needed: int) -> str:
+    gib = 1 << 30
+    return f"{-(-needed // gib)}g" if needed >= gib else f"{-(-needed // (1 << 20)) + 64}m"
+
+
+# --------------------------------------------------------------------------- process identity
+
+
+def _start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return 0
+    # The command name may contain spaces and parentheses: fields start after the last ')'.
+    fields = raw[raw.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not start or _start_time(pid) in (0, start)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _layout(store: Store) -> list[dict[str, Any]]:
+    out, offset = [], _ALIGN
+    for arr in store.fields:
+        nbytes = int(arr.nbytes)
+        out.append({"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset, "nbytes": nbytes})
+        offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    return out
+
+
+def _segment_size(layout: list[dict[str, Any]]) -> int:
+    last = layout[-1]
+    return last["offset"] + -(-max(last["nbytes"], 1) // _ALIGN) * _ALIGN
+
+
+def segment_nbytes(store: Store) -> int:
+    """Bytes the segment of ``store`` takes in ``/dev/shm`` (data, page alignment and header)."""
+    return _segment_size(_layout(store))
+
+
+# --------------------------------------------------------------------------- the segment
+
+
+class SharedArray(np.ndarray):
+    """A field array backed by a shared segment; pickled for a spawned process as a file descriptor.
+
+    Only the array :class:`Segment` creates carries the segment: anything derived from it
+    (slices, gathered batches) is an ordinary array and pickles by value.
+    """
+
+    _lfd_segment: Segment | None = None
+    _lfd_index: int = -1
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._lfd_segment = None
+        self._lfd_index = -1
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        seg = self._lfd_segment
+        from multiprocessing import context
+
+        if seg is None or seg.closed or context.get_spawning_popen() is None:
+            # Not a process start (e.g. torch.save): keep ndarray's by-value pickling.
+            return np.asarray(self).__reduce_ex__(protocol)
+        return _field, (seg.handle, self._lfd_index)
+
+
+class _Handle:
+    """What a spawned process receives for a segment: a duplicated descriptor and the header's facts.
+
+    All fields of a segment share one handle object, so pickle memoises it and the
+    descriptor crosses once per process start.
+    """
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+
+    def __reduce__(self) -> Any:
+        from multiprocessing.reduction import DupFd
+
+        s = self.seg
+        return _attach_handle, (DupFd(s.fd), s.size, s.token, s.fingerprint, s.layout)
+
+
+def _field(mm: mmap.mmap, index: int) -> np.ndarray:
+    return _view(mm, json.loads(bytes(mm[_HEAD.size:_HEAD.size + _HEAD.unpack_from(mm, 0)[-1]]))[index])
+
+
+#: Segments attached by spawned processes, by token: one mapping per process, not per field.
+_ATTACHED: dict[str, mmap.mmap] = {}
+_ATTACHED_LOCK = threading.Lock()
+
+
+def _attach_handle(dupfd: Any, size: int, token: str, fp: str, layout: list[dict[str, Any]]) -> mmap.mmap:
+    """Map a segment in a spawned process from a duplicated descriptor (no copy of the data)."""
+    fd = dupfd.detach()
+    try:
+        with _ATTACHED_LOCK:
+            mm = _ATTACHED.get(token)
+            if mm is None:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                _verify(mm, size, token, fp, layout, where=f"segment {token} in a spawned process")
+                _ATTACHED[token] = mm
+    finally:
+        os.close(fd)
+    return mm
+
+
+def _view(mm: mmap.mmap, entry: dict[str, Any]) -> np.ndarray:
+    arr = np.frombuffer(mm, dtype=np.dtype(entry["dtype"]), count=int(np.prod(entry["shape"], dtype=np.int64)),
+                        offset=entry["offset"]).reshape(entry["shape"])
+    arr.flags.writeable = False
+    return arr
+
+
+def _header(size: int, token: str, fp: str, layout: list[dict[str, Any]], ready: int) -> bytes:
+    body = json.dumps(layout, sort_keys=True).encode()
+    head = _HEAD.pack(MAGIC, VERSION, ready, size, os.getpid(), _start_time(os.getpid()),
+                      token.encode(), fp.encode()[:64], len(body))
+    if len(head) + len(body) > _ALIGN:
+        raise SharedMemoryError(f"a store with {len(layout)} fields does not fit the segment header")
+    return head + body
+
+
+def _verify(mm: mmap.mmap, size: int, token: str, fp: str, layout: list[dict[str, Any]], where: str) -> None:
+    """Check the header before any data is read; the message says what differs."""
+    if len(mm) < _HEAD.size:
+        raise SharedMemoryError(f"{where}: {len(mm)} bytes, too small for a header")
+    magic, version, ready, total, _pid, _start, tok, seg_fp, n = _HEAD.unpack_from(mm, 0)
+    problems = []
+    if magic != MAGIC:
+        problems.append(f"magic {magic!r} is not {MAGIC!r}")
+    elif version != VERSION:
+        problems.append(f"format version {version}, this release reads {VERSION}")
+    else:
+        if tok.rstrip(b"\0").decode(errors="replace") != token:
+            problems.append("it belongs to another job")
+        if seg_fp.rstrip(b"\0").decode(errors="replace") != fp[:64]:
+            theirs = seg_fp.rstrip(b"\0").decode(errors="replace")
+            problems.append(f"fingerprint {theirs[:16]} is not this rank's {fp[:16]}")
+        if total != size or len(mm) != size:
+            problems.append(f"size {total} (mapped {len(mm)}), expected {size}")
+        got = bytes(mm[_HEAD.size:_HEAD.size + n])
+        if got != json.dumps(layout, sort_keys=True).encode():
+            problems.append(f"layout {got[:200]!r} differs from this rank's store")
+        if ready != 1:
+            problems.append("the leader has not finished writing it (ready flag unset)")
+    if problems:
+        raise SharedMemoryError(f"{where} failed verification: " + "; ".join(problems))
+
+
+@dataclass
+class Segment:
+    """One store's shared mapping in this process.
+
+    Attributes:
+        name: File name under ``/dev/shm`` (unlinked once every local rank attached).
+        fd: Open descriptor of the segment, kept for spawned DataLoader workers.
+        size: Segment bytes, header included.
+        token: The job's random token (also in the header).
+        fingerprint: The store's fingerprint.
+        layout: Per-field dtype, shape, offset and size.
+        original: The store's fields before they were replaced (restored by :meth:`release`).
+    """
+
+    name: str
+    fd: int
+    mm: mmap.mmap
+    size: int
+    token: str
+    fingerprint: str
+    layout: list[dict[str, Any]]
+    original: list[np.ndarray] | None = None
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.handle = _Handle(self)
+
+    @property
+    def path(self) -> Path:
+        return SHM_DIR / self.name
+
+    def arrays(self) -> list[np.ndarray]:
+        """Read-only field views of the mapping, pickled as descriptors for spawned workers."""
+        out = []
+        for k, entry in enumerate(self.layout):
+            arr = _view(self.mm, entry).view(SharedArray)
+            arr._lfd_segment, arr._lfd_index = self, k
+            out.append(arr)
+        return out
+
+    def unlink(self) -> None:
+        """Remove the name (the memory stays while mapped); idempotent."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def release(self, store: Store | None = None) -> None:
+        """Give ``store`` its original fields back and close the descriptor (pages go with the last view)."""
+        if store is not None and self.original is not None:
+            store.fields = self.original
+            store.meta.pop("shared_memory", None)
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+def _segment_name(token: str, split: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-." else "-" for c in split)[:40]
+    return f"{prefix()}{os.getpid()}_{token}_{safe}"
+
+
+def _fill(fd: int, store: Store, layout: list[dict[str, Any]]) -> None:
+    """Write the fields into the segment with ``pwrite``.
+
+    The leader never maps the pages it writes, so they count against no process until
+    someone reads them; a memmapped field is read with file reads for the same reason.
+    """
+    for arr, entry in zip(store.fields, layout, strict=True):
+        off, nbytes = entry["offset"], entry["nbytes"]
+        filename = getattr(arr, "filename", None)
+        src_off = getattr(arr, "offset", None)
+        if filename is not None and src_off is not None and arr.flags.c_contiguous:
+            base = src_off + _memmap_view_offset(arr)
+            buf = bytearray(min(nbytes, _COPY_BLOCK))
+            with open(filename, "rb", buffering=0) as f:
+                done = 0
+                while done < nbytes:
+                    want = min(len(buf), nbytes - done)
+                    got = os.preadv(f.fileno(), [memoryview(buf)[:want]], base + done)
+                    if not got:
+                        raise SharedMemoryError(f"{filename} ended early while copying it to shared memory")
+                    _pwrite_all(fd, memoryview(buf)[:got], off + done)
+                    done += got
+            continue
+        flat = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        for a in range(0, nbytes, _COPY_BLOCK):
+            _pwrite_all(fd, flat[a:a + _COPY_BLOCK], off + a)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _memmap_view_offset(arr: np.ndarray) -> int:
+    base = arr
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return int(arr.__array_interface__["data"][0] - base.__array_interface__["data"][0])
+
+
+def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, Any]],
+            store: Store) -> Segment:
+    """Create, reserve and fill one segment (leader only); nothing is left on any error."""
+    path = SHM_DIR / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    mm = None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                raise SharedMemoryError(
+                    too_small_message(size + MIN_HEADROOM, shm_free_bytes(), store.nbytes)
+                    + f" [reserving {fmt_bytes(size)} for {name} failed: {e.strerror}]"
+                ) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, size)  # a filesystem without fallocate: size only, checked up front
+        _pwrite_all(fd, memoryview(_header(size, token, fp, layout, ready=0)), 0)
+        _fill(fd, store, layout)
+        _pwrite_all(fd, memoryview(struct.pack("<I", 1)), _READY_OFFSET)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return Segment(name, fd, mm, size, token, fp, layout)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        if mm is not None:
+            mm.close()
+        os.close(fd)
+        raise
+
+
+def _attach(name: str, size: int, token: str, fp: str, layout: list[dict[str, Any]]) -> Segment:
+    """Open a leader's segment read-only and verify it (non-leader local ranks)."""
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise SharedMemoryError(f"cannot open the leader's segment {path}: {e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise SharedMemoryError(
+                f"{path} is not a private regular file of this user (mode {oct(st.st_mode)}, "
+                f"uid {st.st_uid}); refusing to read it"
+            )
+        if st.st_size != size:
+            raise SharedMemoryError(f"{path} has {st.st_size} bytes, expected {size}")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            _verify(mm, size, token, fp, layout, where=str(path))
+        except BaseException:
+            mm.close()
+            raise
+        return Segment(name, fd, mm, size, token, fp, layout)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+def sweep_stale(directory: Path | None = None) -> list[str]:
+    """Remove this package's segments (this prefix, this user) whose creating process is dead."""
+    directory = directory or SHM_DIR
+    removed: list[str] = []
+    p = prefix()
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(p)]
+    except OSError:
+        return removed
+    for name in names:
+        path = directory / name
+        pid_part = name[len(p):].split("_", 1)[0]
+        if not pid_part.isdigit():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            raw = os.pread(fd, _HEAD.size, 0)
+        finally:
+            os.close(fd)
+        start = 0
+        if len(raw) == _HEAD.size and raw[:8] == MAGIC:
+            start = _HEAD.unpack(raw)[5]
+        if not _alive(int(pid_part), start):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            removed.append(name)
+    return removed
+
+
+# --------------------------------------------------------------------------- the collective
+
+
+@contextlib.contextmanager
+def _unlink_on_sigterm(paths: list[Path]) -> Any:
+    """While names exist, SIGTERM unlinks them, then terminates as the signal would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _node_ranks(rank: int, local_rank: int, local_world_size: int) -> tuple[int, list[int]]:
+    """The node's leader and members, assuming launchers number a node's ranks contiguously."""
+    leader = rank - local_rank
+    return leader, list(range(leader, leader + local_world_size))
+
+
+def share_stores(
+    stores: Mapping[str, Store],
+    *,
+    headroom: int = MIN_HEADROOM,
+    fallback: bool = False,
+    warn: Callable[[str], None] | None = None,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+) -> dict[str, Segment]:
+    """Put one copy of each store in node-local shared memory; collective over all ranks.
+
+    Every rank calls this with its own stores (same splits, same fingerprints). On return,
+    each store's ``fields`` are read-only views of its segment, and the names are gone
+    from ``/dev/shm``.
+
+    Args:
+        stores: Stores by split name.
+        headroom: Extra free bytes ``/dev/shm`` must keep (DataLoader batches in flight,
+            see :func:`worker_headroom`).
+        fallback: When ``/dev/shm`` is too small, warn and return ``{}`` (the stores keep
+            their disk memory maps) instead of raising.
+        warn: Receives the fallback warning (default ``warnings.warn``).
+        rank, local_rank, local_world_size: This process's place (default: from
+            :mod:`~lightning_fastdata.distributed`).
+
+    Raises:
+        SharedMemoryError: on every rank, when the fingerprints of the ranks differ, when
+            ``/dev/shm`` is too small (without ``fallback``) or when a segment fails
+            verification; nothing is left in ``/dev/shm``.
+    """
+    rank = D.rank() if rank is None else rank
+    local_rank = D.local_rank() if local_rank is None else local_rank
+    local_world_size = D.local_world_size() if local_world_size is None else local_world_size
+    splits = sorted(stores)
+    fps = {s: stores[s].fingerprint for s in splits}
+
+    # 1. Every rank must hold the same data: compare fingerprints before touching memory.
+    mine = {"fps": fps, "local_rank": local_rank, "pid": os.getpid()}
+    everyone = D.all_gather_object(mine)
+    for r, other in enumerate(everyone):
+        if other["fps"] != fps:
+            for s in sorted(set(fps) | set(other["fps"])):
+                a, b = fps.get(s), other["fps"].get(s)
+                if a != b:
+                    raise SharedMemoryError(
+                        f"rank {rank} and rank {r} hold different '{s}' data: fingerprints "
+                        f"{(a or 'none')[:16]} and {(b or 'none')[:16]}; every rank must build the "
+                        "store from the same source, static_transform and cache_key"
+                    )
+    leader, members = _node_ranks(rank, local_rank, local_world_size)
+    if leader < 0 or members[-1] >= len(everyone) or everyone[leader]["local_rank"] != 0:
+        raise SharedMemoryError(
+            f"rank {rank} has local rank {local_rank} of {local_world_size}, which does not match the "
+            "ranks the launcher started; set LOCAL_RANK and LOCAL_WORLD_SIZE consistently"
+        )
+    layouts = {s: _layout(stores[s]) for s in splits}
+    sizes = {s: _segment_size(layouts[s]) for s in splits}
+    total = sum(sizes.values())
+
+    # 2. The leader checks the space, creates, reserves and fills; names stay until step 4.
+    segments: dict[str, Segment] = {}
+    outcome: dict[str, Any] = {"error": None, "short": False, "names": {}, "token": None}
+    leading = local_rank == 0
+    guard = contextlib.ExitStack()
+    try:
+        if leading:
+            sweep_stale()
+            free = shm_free_bytes()
+            needed = total + headroom
+            data = sum(s.nbytes for s in stores.values())
+            if needed > free:
+                outcome.update(error=too_small_message(needed, free, data), short=True)
+            else:
+                token = secrets.token_hex(8)
+                outcome["token"] = token
+                names = {s: _segment_name(token, s) for s in splits}
+                guard.enter_context(_unlink_on_sigterm([SHM_DIR / n for n in names.values()]))
+                try:
+                    for s in splits:
+                        segments[s] = _create(names[s], sizes[s], token, fps[s], layouts[s], stores[s])
+                        outcome["names"][s] = names[s]
+                except SharedMemoryError as e:
+                    outcome.update(error=str(e), short=True)
+                except OSError as e:
+                    outcome.update(error=f"lightning_fastdata: creating a shared-memory segment failed: {e}")
+        outcomes = D.all_gather_object(outcome)
+        mine_out = outcomes[leader]
+        if mine_out["error"] is None and not leading:
+            try:
+                for s in splits:
+                    segments[s] = _attach(mine_out["names"][s], sizes[s], mine_out["token"], fps[s], layouts[s])
+            except (SharedMemoryError, OSError) as e:
+                outcome = {"error": f"rank {rank}: {e}", "short": False}
+        # 3. All ranks learn every failure, so nobody waits for a peer that gave up.
+        status = D.all_gather_object({"error": outcome["error"] if not leading else None})
+    finally:
+        # 4. Every local rank has attached (or failed): the names go now, whatever happened.
+        for seg in segments.values():
+            if leading:
+                seg.unlink()
+        guard.close()
+
+    node_error = mine_out["error"] or next((x["error"] for x in status[members[0]:members[-1] + 1]
+                                            if x["error"]), None)
+    failures = [o for o in outcomes if o["error"]] + [x for x in status if x["error"]]
+    fatal = [o["error"] for o in failures if not o.get("short")]
+    if fatal or (failures and not fallback):
+        for seg in segments.values():
+            seg.release()
+        raise SharedMemoryError((fatal or [f["error"] for f in failures])[0])
+    if node_error:
+        # Too little space on this node: the disk cache's memory maps stay in place.
+        msg = node_error + "; falling back to the memory-mapped disk cache (one page-cache copy per node)"
+        if warn is None:
+            import warnings
+
+            warnings.warn(msg, stacklevel=2)
+        else:
+            warn(msg)
+        return {}
+    # Another node may have fallen back; this one keeps its segments.
+    for s in splits:
+        seg = segments[s]
+        seg.original = stores[s].fields
+        stores[s].fields = seg.arrays()
+        stores[s].meta["shared_memory"] = seg.name
+    return segments

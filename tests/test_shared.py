@@ -1,0 +1,287 @@
+"""Node-local shared memory in one process: placement, verification, workers, space, cleanup.
+
+Multi-process behaviour (DDP ranks, signals) is in ``test_ddp_shared.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import mmap
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _helpers import TinyDataModule
+
+from lightning_fastdata import shared
+from lightning_fastdata.loaders import ShardedOrder, WorkerLoader
+from lightning_fastdata.shared import SharedArray, SharedMemoryError, share_stores
+from lightning_fastdata.store import Store, build_store
+
+HERE = Path(__file__).parent
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir(shared.SHM_DIR) if n.startswith(shared.prefix())}
+
+
+def _store(n: int = 64) -> Store:
+    g = np.random.default_rng(0)
+    images = g.integers(0, 256, (n, 3, 8, 8), dtype=np.uint8)
+    return Store.from_arrays({"image": images, "label": np.arange(n, dtype=np.int64)}, fingerprint="f" * 64)
+
+
+def _mapped_segments(pid: int | str = "self") -> set[str]:
+    """Paths of this package's segments mapped into ``pid`` (unlinked ones end in ' (deleted)')."""
+    out = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and Path(parts[5].strip()).name.startswith(shared.prefix()):
+                out.add(parts[5].strip())
+    return out
+
+
+def test_share_copies_bit_equal_unlinks_names_and_release_restores():
+    store = _store()
+    before = [a.copy() for a in store.fields]
+    segs = share_stores({"train": store})
+    seg = segs["train"]
+    assert seg.name.startswith(shared.prefix()) and str(os.getpid()) in seg.name
+    assert _shm_names() == set()  # unlinked at once: the only local rank has attached
+    assert any(p.startswith(str(seg.path)) and p.endswith("(deleted)") for p in _mapped_segments())
+    assert all(isinstance(a, SharedArray) and not a.flags.writeable and _backed_by_mmap(a) for a in store.fields)
+    assert all(np.array_equal(a, b) for a, b in zip(store.fields, before, strict=True))
+    with pytest.raises(ValueError, match="read-only"):
+        store.fields[0][0, 0, 0, 0] = 1
+    assert store.meta["shared_memory"] == seg.name
+    seg.release(store)
+    assert all(type(a) is np.ndarray for a in store.fields) and "shared_memory" not in store.meta
+
+
+def test_memmapped_store_is_copied_by_file_reads(cache_dir):
+    from _helpers import CountingDataset
+
+    store = build_store(CountingDataset(50), lambda s: s, cache_dir, progress=False)
+    expect = [np.array(a) for a in store.fields]
+    share_stores({"train": store})
+    assert all(np.array_equal(a, b) for a, b in zip(store.fields, expect, strict=True))
+
+
+def test_segment_created_owner_only_exclusive_and_never_through_a_symlink(tmp_path):
+    store = _store(4)
+    layout = shared._layout(store)
+    size = shared._segment_size(layout)
+    name = f"{shared.prefix()}{os.getpid()}_symlinktest_train"
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep")
+    os.symlink(target, shared.SHM_DIR / name)
+    try:
+        with pytest.raises(FileExistsError):
+            shared._create(name, size, "t" * 16, "f" * 64, layout, store)
+        assert target.read_bytes() == b"keep"
+        with pytest.raises(SharedMemoryError, match="cannot open"):
+            shared._attach(name, size, "t" * 16, "f" * 64, layout)
+    finally:
+        os.unlink(shared.SHM_DIR / name)
+    seg = shared._create(name, size, "t" * 16, "f" * 64, layout, store)
+    try:
+        assert os.stat(seg.path).st_mode & 0o777 == 0o600
+    finally:
+        seg.unlink()
+        seg.release()
+
+
+@pytest.mark.parametrize("tamper,match", [
+    ((0, b"XXXXXXXX"), "magic"),
+    ((12, b"\0\0\0\0"), "ready flag"),
+    ((8, (9).to_bytes(4, "little")), "format version 9"),
+])
+def test_attach_verifies_header_before_reading(tamper, match):
+    store = _store(4)
+    layout = shared._layout(store)
+    size = shared._segment_size(layout)
+    seg = shared._create(f"{shared.prefix()}{os.getpid()}_verify_train", size, "t" * 16, "a" * 64, layout, store)
+    try:
+        # A second job (other token) or another dataset (other fingerprint) is refused.
+        with pytest.raises(SharedMemoryError, match="another job"):
+            shared._attach(seg.name, size, "u" * 16, "a" * 64, layout)
+        with pytest.raises(SharedMemoryError, match=r"fingerprint aaaaaaaaaaaaaaaa is not this rank's bbbb"):
+            shared._attach(seg.name, size, "t" * 16, "b" * 64, layout)
+        os.pwrite(seg.fd, tamper[1], tamper[0])
+        with pytest.raises(SharedMemoryError, match=match):
+            shared._attach(seg.name, size, "t" * 16, "a" * 64, layout)
+    finally:
+        seg.unlink()
+        seg.release()
+
+
+def _check_worker_maps_segment(worker_id: int) -> None:
+    """worker_init_fn: the worker reads the segment's pages, it holds no copy of the store."""
+    ds = torch.utils.data.get_worker_info().dataset
+    mapped = _mapped_segments()
+    assert mapped and all(p.endswith("(deleted)") for p in mapped), mapped
+    assert all(_backed_by_mmap(a) for a in ds.fields)
+
+
+def _backed_by_mmap(a: np.ndarray) -> bool:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return isinstance(a.base, memoryview) and isinstance(a.base.obj, mmap.mmap)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_read_the_shared_pages(context):
+    store = _store(64)
+    expect = [a.copy() for a in store.fields]
+    share_stores({"train": store})
+    order = ShardedOrder(64, 16, shuffle=True, seed=3)
+    loader = WorkerLoader(order, store=store, num_workers=1, worker_init_fn=_check_worker_maps_segment,
+                          multiprocessing_context=context)
+    seen = []
+    for batch in loader:
+        idx = batch["label"].numpy()
+        assert np.array_equal(batch["image"].numpy(), expect[0][idx])
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(64))
+
+
+def test_pickle_outside_a_process_start_is_by_value():
+    store = _store(8)
+    share_stores({"train": store})
+    blob = pickle.dumps(store.fields[0])
+    back = pickle.loads(blob)
+    assert len(blob) > store.fields[0].nbytes and np.array_equal(back, store.fields[0])
+    assert type(back) is np.ndarray
+
+
+def test_too_small_raises_with_size_and_fix(monkeypatch):
+    monkeypatch.setattr(shared, "shm_free_bytes", lambda: 64 << 20)
+    store = Store.from_arrays((np.zeros((100, 1 << 20), np.uint8),), fingerprint="z" * 64)
+    with pytest.raises(SharedMemoryError) as e:
+        share_stores({"train": store}, headroom=8 << 20)
+    msg = str(e.value)
+    assert "67.1 MB free" in msg and "needs 113.3 MB" in msg and "--shm-size=" in msg
+    assert "shared_memory='auto'" in msg
+    assert _shm_names() == set() and type(store.fields[0]) is np.ndarray
+
+
+def test_too_small_falls_back_with_warning(monkeypatch):
+    monkeypatch.setattr(shared, "shm_free_bytes", lambda: 1 << 20)
+    store = _store()
+    with pytest.warns(UserWarning, match="falling back to the memory-mapped disk cache"):
+        assert share_stores({"train": store}, fallback=True) == {}
+    assert type(store.fields[0]) is np.ndarray
+
+
+def test_enospc_from_reservation_is_the_same_error_and_leaves_nothing(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    store = _store()
+    with pytest.raises(SharedMemoryError, match=r"--shm-size=.*No space left on device"):
+        share_stores({"train": store})
+    assert _shm_names() == set()
+    with pytest.warns(UserWarning, match="falling back"):
+        assert share_stores({"train": store}, fallback=True) == {}
+    assert _shm_names() == set()
+
+
+def test_leader_killed_between_create_and_unlink():
+    """SIGTERM in the window unlinks and exits with the signal; SIGKILL leaves a name the next start sweeps."""
+    children = {sig: subprocess.Popen([sys.executable, str(HERE / "_shared_job.py"), "stall-in-fill"],
+                                      stdout=subprocess.PIPE, text=True)
+                for sig in (signal.SIGTERM, signal.SIGKILL)}
+    try:
+        for child in children.values():
+            assert child.stdout.readline().strip() == "filling"
+        assert len(_shm_names()) == 2
+        for sig, child in children.items():
+            child.send_signal(sig)
+            assert child.wait(timeout=30) == -sig
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait(timeout=30)
+            child.stdout.close()
+    (left,) = _shm_names()  # SIGTERM's segment is gone; SIGKILL's stays until the next start
+    assert str(children[signal.SIGKILL].pid) in left
+    store = _store(4)
+    share_stores({"train": store})
+    assert _shm_names() == set()
+
+
+def test_sweep_spares_live_owners_and_other_prefixes():
+    live = shared.SHM_DIR / f"{shared.prefix()}{os.getpid()}_live_train"
+    other = shared.SHM_DIR / f"{shared.prefix()}x{os.getpid()}_train"
+    for p in (live, other):
+        os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    try:
+        assert shared.sweep_stale() == []
+        assert live.exists() and other.exists()
+    finally:
+        live.unlink()
+        other.unlink()
+
+
+# --------------------------------------------------------------------------- datamodule
+
+
+def _dm(cache_dir, **kwargs) -> TinyDataModule:
+    # Persistent workers killed at shutdown leave multiprocessing's pymp-* temporary behind.
+    kwargs.setdefault("persistent_workers", False)
+    kwargs.setdefault("strategy", "workers")
+    kwargs.setdefault("num_workers", 2)
+    dm = TinyDataModule(n=48, cache_dir=str(cache_dir), device="cpu", val=False, **kwargs)
+    dm.prepare_data()
+    return dm
+
+
+def test_datamodule_auto_shares_when_workers_read(cache_dir):
+    dm = _dm(cache_dir)
+    dm.setup("fit")
+    assert isinstance(dm.stores["train"].fields[0], SharedArray)
+    assert dm.plan.reasons["shared_memory"].startswith("on: one copy of train")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape[1:] == (3, 8, 8) and y.dtype == torch.int64
+    dm.teardown("fit")
+    gc.collect()  # persistent workers end with their DataLoader (a reference cycle)
+    assert isinstance(dm.stores["train"].fields[0], np.memmap)
+
+
+@pytest.mark.parametrize("kwargs,used", [
+    (dict(num_workers=0), False),                      # one process reads: nothing to share
+    (dict(shared_memory="off"), False),
+    (dict(strategy="device", num_workers=0, shared_memory="on"), True),
+])
+def test_datamodule_when_to_share(cache_dir, kwargs, used):
+    dm = _dm(cache_dir, **kwargs)
+    dm.setup("fit")
+    assert isinstance(dm.stores["train"].fields[0], SharedArray) == used
+    assert dm.plan.reasons["shared_memory"].startswith("on:" if used else ("off" if "shared_memory" in kwargs
+                                                                              else "not used"))
+
+
+def test_datamodule_too_small_auto_falls_back_on_raises(cache_dir, monkeypatch):
+    monkeypatch.setattr(shared, "shm_free_bytes", lambda: 4096)
+    dm = _dm(cache_dir)
+    with pytest.warns(UserWarning, match="--shm-size"):
+        dm.setup("fit")
+    assert isinstance(dm.stores["train"].fields[0], np.memmap)
+    assert dm.plan.reasons["shared_memory"].startswith("fallback to the disk cache")
+    assert next(iter(dm.train_dataloader()))[0].shape[1:] == (3, 8, 8)
+    dm.teardown("fit")
+    gc.collect()
+    dm2 = _dm(cache_dir, shared_memory="on")
+    with warnings.catch_warnings(), pytest.raises(SharedMemoryError, match="--shm-size"):
+        dm2.setup("fit")
+    assert _shm_names() == set()
