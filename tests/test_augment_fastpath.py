@@ -120,3 +120,17 @@ def test_gather_crop_on_prepadded_input_unchanged():
     mask = torch.tensor([True, False, True, False])
     out = A._gather_crop(x, oy, ox, 4, 5, mask)
     assert torch.equal(out, _reference_crop(x, oy, ox, (4, 5), (0, 0), 0, mask))
+
+
+@pytest.mark.parametrize("padding", [(4, 4), (0, 3), (2, 0), (1, 5)])
+def test_wide_images_border_fill_matches_pad(padding):
+    """Wide rows take the border-only fill path; the padding must still be exact, whatever was in the buffer."""
+    x = _batch((3, 2, 5, 70), seed=13)
+    for fill in (0, 9, 0):  # successive fills reuse the scratch buffer: no stale bytes may leak through
+        crop = A.RandomCrop((5, 68), padding=padding, fill=fill)
+        aug = A.Compose([crop, A.RandomHorizontalFlip()])
+        out = aug(x, torch.Generator().manual_seed(fill))
+        g = torch.Generator().manual_seed(fill)
+        oy, ox = crop.draw(x, g)
+        mask = A.RandomHorizontalFlip().draw(3, x.device, g)
+        assert torch.equal(out, _reference_crop(x, oy, ox, (5, 68), padding, fill, mask))
