@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_loader_throughput_quick_writes_json(tmp_path):
     out = tmp_path / "loader_throughput.json"
-    # torch may create cache folders under TMPDIR: keep them inside tmp_path.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
+    # torch creates its compile cache folder under TMPDIR unless told otherwise: keep it in
+    # tmp_path. TMPDIR itself stays short: worker processes put Unix sockets there (108 chars).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "loader_throughput.py"), "--quick", "--threads", "1",
          "--workers", "0,1", "--out", str(out)],
@@ -48,6 +50,7 @@ def test_loader_throughput_quick_writes_json(tmp_path):
 def test_loader_throughput_rejects_unknown_shape(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "loader_throughput.py"), "--shapes", "mnist"],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")),
+        capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "unknown shape(s) ['mnist']" in proc.stderr
