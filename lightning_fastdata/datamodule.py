@@ -19,9 +19,18 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata.augment import BatchTransform
-from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, WorkerLoader, _Loader, _Transformed, place_fields
+from lightning_fastdata.loaders import (
+    ChunkBuffers,
+    ChunkedLoader,
+    DeviceLoader,
+    ShardedOrder,
+    WorkerLoader,
+    _Loader,
+    _Transformed,
+)
+from lightning_fastdata.placement import place
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
-from lightning_fastdata.seeding import derive_seed
+from lightning_fastdata.seeding import WorkerSeeding, derive_seed
 from lightning_fastdata.store import (
     Store,
     StoreError,
@@ -68,7 +77,9 @@ class OptimizedDataModule(L.LightningDataModule):
         cache_dir: Where caches live (default :func:`default_cache_dir`).
         cache_key: Extra key mixed into the cache fingerprint; change it to force a rebuild.
         shared_memory: Node-local shared memory for host-resident stores: "auto", "on", "off".
-        num_workers: DataLoader workers ("auto" or an int >= 0).
+        num_workers: DataLoader workers: "auto" (from cores per local rank, RAM and
+            /dev/shm), "measure" (time a few batches per candidate in ``setup``, keep the
+            fastest) or an int >= 0.
         pin_memory: Pinned host batches ("auto", True, False).
         prefetch_factor: Batches in flight per worker ("auto" or an int >= 1).
         persistent_workers: Keep workers across epochs ("auto", True, False).
@@ -93,7 +104,7 @@ class OptimizedDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         cache_key: str | None = None,
         shared_memory: Literal["auto", "on", "off"] = "auto",
-        num_workers: int | Literal["auto"] = "auto",
+        num_workers: int | Literal["auto", "measure"] = "auto",
         pin_memory: bool | Literal["auto"] = "auto",
         prefetch_factor: int | Literal["auto"] = "auto",
         persistent_workers: bool | Literal["auto"] = "auto",
@@ -118,7 +129,9 @@ class OptimizedDataModule(L.LightningDataModule):
             raise ValueError(f"vram_fraction must be in (0, 1], got {vram_fraction!r}; 0.6 keeps 40% for the model")
         if shared_memory not in ("auto", "on", "off"):
             raise ValueError(f"shared_memory must be 'auto', 'on' or 'off', got {shared_memory!r}")
-        _check_auto_int("num_workers", num_workers, 0)
+        if num_workers != "measure" and (num_workers != _AUTO and (isinstance(num_workers, bool) or
+                                                                  not isinstance(num_workers, int) or num_workers < 0)):
+            raise ValueError(f"num_workers must be 'auto', 'measure' or an int >= 0, got {num_workers!r}")
         _check_auto_int("prefetch_factor", prefetch_factor, 1)
         _check_auto_bool("pin_memory", pin_memory)
         _check_auto_bool("persistent_workers", persistent_workers)
@@ -152,6 +165,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.stores: dict[str, Store] = {}
         self._raw: dict[str, Any] = {}
         self._placed: dict[str, list[torch.Tensor]] = {}
+        self._chunks: dict[str, ChunkBuffers] = {}
         self._loaders: dict[str, _Loader] = {}
 
     # ------------------------------------------------------------------ user hooks
@@ -237,22 +251,59 @@ class OptimizedDataModule(L.LightningDataModule):
         device = self.target_device()
         resources = probe_resources(device, local_world_size=D.local_world_size())
         nbytes = None if self._raw else sum(s.nbytes for s in self.stores.values())
-        self.plan = decide(nbytes, resources, {
+        batch_sizes = {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
+        config = self._plan_config()
+        plan = decide(nbytes, resources, config)
+        # Place what is not placed yet; an OOM falls back a level, the same on every rank.
+        todo = {s: st for s, st in self.stores.items() if s not in self._placed and s not in self._chunks}
+        placement = place(todo, plan, device, config, batch_sizes, world_size=self._rank_world()[1])
+        self.plan = placement.plan
+        self._placed.update(placement.fields)
+        self._chunks.update(placement.buffers)
+        if self.plan.num_workers_candidates:
+            self._measure_workers(resources, config, device)
+        rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
+
+    def _plan_config(self) -> dict[str, Any]:
+        """The settings :func:`~lightning_fastdata.plan.decide` reads, with the largest batch's bytes."""
+        batch_sizes = {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
+        return {
             "strategy": self.strategy, "vram_fraction": self.vram_fraction,
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
             "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
-        })
-        rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
-        if self.plan.strategy == "device":
-            for split, store in self.stores.items():
-                if split not in self._placed:
-                    self._placed[split] = place_fields(store, device)
+            "batch_nbytes": max((sum(i.row_nbytes for i in st.infos) * batch_sizes[split]
+                                 for split, st in self.stores.items()), default=0),
+        }
+
+    def _measure_workers(self, resources: Any, config: dict[str, Any], device: torch.device) -> None:
+        """``num_workers="measure"``: time the candidates on the first split's loader (see autotune)."""
+        from lightning_fastdata.autotune import measure_num_workers
+
+        split = next((s for s in ("train", "val", "test", "predict") if s in self.stores or s in self._raw), None)
+        if split is None:
+            return
+        plan = self.plan
+
+        def make(trial: Plan) -> Any:
+            self.plan = trial
+            try:
+                return self._make_loader(split)
+            finally:
+                self.plan = plan
+                loader = self._loaders.pop(split, None)
+            if hasattr(loader, "close"):
+                loader.close()  # persistent workers must not outlive the stage
+
+        measure_num_workers(plan, resources, config, make, device)
 
     def teardown(self, stage: str | None = None) -> None:
         """Release device copies and loaders of the stage's splits."""
         for split in _STAGE_SPLITS.get(stage or "fit", ()):
             self._placed.pop(split, None)
-            self._loaders.pop(split, None)
+            self._chunks.pop(split, None)
+            loader = self._loaders.pop(split, None)
+            if hasattr(loader, "close"):
+                loader.close()  # persistent workers must not outlive the stage
 
     # ------------------------------------------------------------------ loaders
 
@@ -269,10 +320,12 @@ class OptimizedDataModule(L.LightningDataModule):
                              seed=self.seed, rank=rank, world_size=world)
         if split in self._placed:
             loader: _Loader = DeviceLoader(self._placed[split], self.stores[split].spec, order)
+        elif split in self._chunks:
+            loader = ChunkedLoader(self.stores[split], order, buffers=self._chunks[split], mode=self.plan.chunk_mode)
         else:
             p = self.plan
             kwargs = dict(num_workers=p.num_workers, pin_memory=p.pin_memory, prefetch_factor=p.prefetch_factor,
-                          persistent_workers=p.persistent_workers, worker_init_fn=self._worker_init_fn())
+                          persistent_workers=p.persistent_workers, worker_init_fn=self._worker_init_fn(order))
             if split in self.stores:
                 loader = WorkerLoader(order, store=self.stores[split], **kwargs)
             else:
@@ -280,8 +333,13 @@ class OptimizedDataModule(L.LightningDataModule):
         self._loaders[split] = loader
         return loader
 
-    def _worker_init_fn(self) -> Any:
-        return None
+    def _worker_init_fn(self, order: ShardedOrder | None = None) -> WorkerSeeding:
+        """Workers seeded per (seed, rank, worker, epoch); the epoch follows ``order.set_epoch``."""
+        rank, _ = self._rank_world()
+        seeding = WorkerSeeding(self.seed, rank)
+        if order is not None:
+            seeding.follow(order)
+        return seeding
 
     def train_dataloader(self) -> Any:
         """The training loader for the planned strategy."""

@@ -16,6 +16,10 @@ import psutil
 import torch
 
 STRATEGIES = ("auto", "device", "chunked", "workers")
+#: Placement levels, most device memory first; a failed placement falls back one level.
+LEVELS = {"workers": 0, "chunked": 1, "device": 2}
+#: Largest chunk buffer the plan chooses, unless one batch is larger.
+CHUNK_CAP_BYTES = 64 << 20
 #: Free device memory kept back for the model, activations and the allocator.
 VRAM_MARGIN_BYTES = 1 << 30
 
@@ -83,7 +87,11 @@ class Plan:
         strategy: "device", "chunked" or "workers".
         num_workers, pin_memory, prefetch_factor, persistent_workers: Loader settings
             (used by the ``workers`` strategy).
-        chunk_bytes: Per-buffer size of the ``chunked`` strategy (0 otherwise).
+        chunk_bytes: Per-buffer size of the ``chunked`` strategy (also kept by a
+            ``device`` plan for its fallback).
+        chunk_mode: ``global`` or ``block`` (see :class:`~lightning_fastdata.loaders.ChunkedLoader`).
+        num_workers_candidates: Worker counts to time when ``num_workers="measure"``
+            (empty otherwise).
         store_nbytes: Size of the store the plan is for.
         reasons: One sentence per decision, with its numbers.
         resources: The snapshot the plan was made from.
@@ -95,7 +103,9 @@ class Plan:
     prefetch_factor: int | None = None
     persistent_workers: bool = False
     chunk_bytes: int = 0
+    chunk_mode: str = "global"
     store_nbytes: int = 0
+    num_workers_candidates: list[int] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     resources: Resources | None = None
 
@@ -126,92 +136,274 @@ def _budget(resources: Resources, vram_fraction: float) -> tuple[int, str]:
     return min(by_fraction, by_free), why
 
 
+def _chunk_mode(store_nbytes: int, resources: Resources) -> str:
+    """``global`` (exact device-loader order) unless the store exceeds the RAM available now."""
+    return "block" if store_nbytes > resources.ram_available else "global"
+
+
+def _chunk_mode_reason(mode: str, store_nbytes: int, resources: Resources) -> str:
+    if mode == "block":
+        return (f"block: store {fmt_bytes(store_nbytes)} exceeds the {fmt_bytes(resources.ram_available)} "
+                "of RAM available; contiguous blocks in shuffled order, shuffled within a window")
+    return (f"global: store {fmt_bytes(store_nbytes)} within the {fmt_bytes(resources.ram_available)} of RAM "
+            "available; chunks follow the epoch's permutation (same batches as the device strategy)")
+
+
+def _chunk_bytes(store_nbytes: int, budget: int, batch_nbytes: int = 0) -> int:
+    """Size of one chunk buffer: four must fit the budget (two for training, two for evaluation)."""
+    # A store in at least 4 chunks, so loading overlaps use within an epoch (the first chunk
+    # of each epoch is waited for); beyond some tens of MB a chunk buys no more overlap.
+    want = max(batch_nbytes, -(-store_nbytes // 4))
+    return max(0, min(max(CHUNK_CAP_BYTES, batch_nbytes), budget // 4, want))
+
+
 def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any]) -> Plan:
     """Choose the strategy and loader parameters.
+
+    ``device`` when the store fits the budget (``vram_fraction`` of the device's total
+    memory, bounded by its free memory less a margin); ``chunked`` when it does not but
+    two chunk buffers of at least one batch do; ``workers`` otherwise, and whenever the
+    samples cannot be stored.
 
     Args:
         store_nbytes: Size of the store, or ``None`` when samples cannot be stored
             (then only the ``workers`` strategy over the raw source is possible).
         resources: The snapshot to decide from.
-        config: The user's settings: ``strategy``, ``vram_fraction``, ``num_workers``,
-            ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` ("auto" or a value).
+        config: The user's settings: ``strategy``, ``vram_fraction``, ``num_workers``
+            ("auto", "measure" or a value), ``pin_memory``, ``prefetch_factor``,
+            ``persistent_workers`` ("auto" or a value), and ``batch_nbytes`` (bytes of the
+            largest batch; a chunk must hold one, and the workers' RAM and /dev/shm caps
+            count it).
 
     Raises:
         PlanError: when a forced strategy cannot work, with the numbers and the fix.
     """
     strategy = config.get("strategy", "auto")
+    if strategy not in STRATEGIES:
+        raise PlanError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     fraction = float(config.get("vram_fraction", 0.6))
+    batch_nbytes = int(config.get("batch_nbytes", 0) or 0)
     reasons: dict[str, str] = {}
     budget, why = _budget(resources, fraction)
+    chunk = 0
     if store_nbytes is None:
         if strategy not in ("auto", "workers"):
             raise PlanError(f"strategy={strategy!r} needs a stored dataset, but the samples cannot be "
                             "stored; use strategy='workers' or make static_transform return arrays")
         chosen = "workers"
         reasons["strategy"] = "samples cannot be stored: per-sample loading in DataLoader workers"
-    elif strategy == "auto":
-        if store_nbytes <= budget:
+    else:
+        store = fmt_bytes(store_nbytes)
+        chunk = _chunk_bytes(store_nbytes, budget, batch_nbytes)
+        chunk_fits = chunk > 0 and chunk >= batch_nbytes
+        chunk_why = (f"4 chunk buffers of {fmt_bytes(chunk)} (2 for training, 2 for evaluation) "
+                     f"within the budget {fmt_bytes(budget)}, one batch = {fmt_bytes(batch_nbytes)}")
+        if strategy == "auto":
+            if store_nbytes <= budget:
+                chosen = "device"
+                reasons["strategy"] = f"store {store} fits the budget {fmt_bytes(budget)} ({why})"
+            elif chunk_fits:
+                chosen = "chunked"
+                reasons["strategy"] = (f"store {store} exceeds the budget {fmt_bytes(budget)} ({why}): "
+                                       f"streamed from host memory in chunks, {chunk_why}")
+            else:
+                chosen = "workers"
+                reasons["strategy"] = (f"store {store} exceeds the budget {fmt_bytes(budget)} ({why}) and "
+                                       f"a chunk of {fmt_bytes(chunk)} cannot hold one batch of "
+                                       f"{fmt_bytes(batch_nbytes)}: loading in DataLoader workers")
+        elif strategy == "device":
+            if store_nbytes > budget:
+                raise PlanError(
+                    f"strategy='device' needs {store} on the device, the budget is "
+                    f"{fmt_bytes(budget)} ({why}); raise vram_fraction, or use strategy='auto' "
+                    "(which streams it in chunks)"
+                )
             chosen = "device"
-            reasons["strategy"] = f"store {fmt_bytes(store_nbytes)} fits the budget {fmt_bytes(budget)} ({why})"
+            reasons["strategy"] = f"forced; store {store} within the budget {fmt_bytes(budget)} ({why})"
+        elif strategy == "chunked":
+            if not chunk_fits:
+                raise PlanError(
+                    f"strategy='chunked' needs two device buffers of at least one batch "
+                    f"(2 x {fmt_bytes(batch_nbytes)}) for training and two for evaluation, but a chunk "
+                    f"buffer can only get {fmt_bytes(chunk)} (a quarter of the budget "
+                    f"{fmt_bytes(budget)}: {why}); lower batch_size, raise vram_fraction, "
+                    "or use strategy='workers'"
+                )
+            chosen = "chunked"
+            reasons["strategy"] = f"forced; store {store} streamed in chunks, {chunk_why}"
         else:
             chosen = "workers"
-            reasons["strategy"] = (f"store {fmt_bytes(store_nbytes)} exceeds the budget "
-                                   f"{fmt_bytes(budget)} ({why}): loading from host memory")
-    elif strategy == "device":
-        if store_nbytes > budget:
-            raise PlanError(
-                f"strategy='device' needs {fmt_bytes(store_nbytes)} on the device, the budget is "
-                f"{fmt_bytes(budget)} ({why}); raise vram_fraction, or use strategy='auto'"
-            )
-        chosen = "device"
-        reasons["strategy"] = f"forced; store {fmt_bytes(store_nbytes)} within budget {fmt_bytes(budget)}"
-    elif strategy in ("workers", "chunked"):
-        chosen = strategy
-        reasons["strategy"] = "forced by configuration"
-    else:
-        raise PlanError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            reasons["strategy"] = "forced by configuration"
 
     plan = Plan(chosen, store_nbytes=store_nbytes or 0, reasons=reasons, resources=resources)
+    if store_nbytes is not None:
+        # Kept for a fallback to ``chunked`` even when the plan is ``device``.
+        plan.chunk_bytes = chunk
+        plan.chunk_mode = _chunk_mode(store_nbytes, resources)
+    if chosen == "chunked":
+        reasons["chunk_bytes"] = f"{fmt_bytes(chunk)} per buffer: {chunk_why}"
+        reasons["chunk_mode"] = _chunk_mode_reason(plan.chunk_mode, store_nbytes, resources)
     _loader_params(plan, resources, config)
     return plan
 
 
+def fall_back(plan: Plan, strategy: str, reason: str, config: dict[str, Any]) -> Plan:
+    """The plan one level down (``device`` -> ``chunked`` -> ``workers``) after a placement failure.
+
+    Args:
+        plan: The plan that could not be placed.
+        strategy: The level all ranks agreed on.
+        reason: Why, with the numbers; kept in ``reasons["fallback"]``.
+        config: The settings :func:`decide` was given (the loader parameters are redone).
+    """
+    if LEVELS[strategy] >= LEVELS[plan.strategy]:
+        raise ValueError(f"cannot fall back from {plan.strategy!r} to {strategy!r}")
+    reasons = {"strategy": f"{strategy}: fallback from {plan.strategy}",
+               "fallback": reason,
+               f"planned ({plan.strategy})": plan.reasons.get("strategy", "")}
+    new = Plan(strategy, store_nbytes=plan.store_nbytes, reasons=reasons, resources=plan.resources)
+    if strategy == "chunked":
+        new.chunk_mode = plan.chunk_mode
+        new.chunk_bytes = plan.chunk_bytes
+        if not new.chunk_bytes:
+            budget, _ = _budget(plan.resources, float(config.get("vram_fraction", 0.6)))
+            new.chunk_bytes = _chunk_bytes(plan.store_nbytes, budget, int(config.get("batch_nbytes", 0) or 0))
+        reasons["chunk_bytes"] = f"{fmt_bytes(new.chunk_bytes)} per buffer"
+        reasons["chunk_mode"] = plan.reasons.get("chunk_mode", new.chunk_mode)
+    _loader_params(new, plan.resources, config)
+    return new
+
+
+#: Private memory one DataLoader worker costs beyond its batches: a forked interpreter with
+#: torch imported dirties a few hundred MB copy-on-write; per-sample decoding costs more.
+WORKER_RAM_BYTES = 512 << 20
+#: Share of this rank's available RAM the workers may take; the rest is for the main
+#: process, the model on a CPU run, and the page cache that serves the store.
+WORKER_RAM_SHARE = 0.5
+#: Batch size assumed when the batch's bytes are unknown (samples that cannot be stored).
+UNKNOWN_BATCH_BYTES = 16 << 20
+#: Slack on /dev/shm: a batch can sit there twice (the worker's copy and the pinned one
+#: in flight), and other processes of the node use it too.
+SHM_SLACK = 2
+
+
+def _auto_workers(r: Resources, batch_nbytes: int | None, prefetch: int) -> tuple[int, str]:
+    """Workers for one rank: physical cores per local rank less one, capped by RAM and /dev/shm."""
+    ranks = max(1, r.local_world_size)
+    per_rank = max(1, r.physical_cores // ranks)
+    n = per_rank - 1
+    why = (f"{r.physical_cores} physical cores / {ranks} local rank{'s' if ranks > 1 else ''} = {per_rank} per "
+           f"rank, less one for the main process = {n}")
+    if n == 0:
+        return 0, why + ": batches are loaded in the main process"
+    batch = batch_nbytes if batch_nbytes else UNKNOWN_BATCH_BYTES
+    guess = "" if batch_nbytes else " (assumed: batch size unknown)"
+    ram = int(WORKER_RAM_SHARE * r.ram_available / ranks)
+    per_worker = WORKER_RAM_BYTES + prefetch * batch
+    by_ram = ram // per_worker
+    if by_ram < n:
+        n = by_ram
+        why += (f"; capped to {n} by RAM: {WORKER_RAM_SHARE:.0%} of {fmt_bytes(r.ram_available)} available / "
+                f"{ranks} rank(s) = {fmt_bytes(ram)}, {fmt_bytes(per_worker)} per worker "
+                f"({fmt_bytes(WORKER_RAM_BYTES)} process + {prefetch} x {fmt_bytes(batch)} batches{guess})")
+    # Worker batches reach the main process through /dev/shm; a full /dev/shm is a SIGBUS
+    # ("bus error", "unable to write to file </torch_...>"), not a Python exception.
+    shm = r.shm_free // ranks
+    per_worker_shm = SHM_SLACK * prefetch * batch
+    by_shm = shm // per_worker_shm
+    if by_shm < n:
+        n = by_shm
+        why += (f"; capped to {n} by /dev/shm: {fmt_bytes(r.shm_free)} free / {ranks} rank(s) = {fmt_bytes(shm)}, "
+                f"{fmt_bytes(per_worker_shm)} per worker ({SHM_SLACK} x {prefetch} x {fmt_bytes(batch)} "
+                f"batches in flight{guess})")
+        if n == 0:
+            why += "; 0 workers avoids the bus error: enlarge /dev/shm (docker run --shm-size=2g)"
+    return n, why
+
+
+def _measure_candidates(best_guess: int) -> list[int]:
+    """Worker counts worth timing: none, one, half and all of the auto value (never more)."""
+    return sorted({0, min(1, best_guess), best_guess // 2, best_guess})
+
+
 def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
-    """Worker settings; only the ``workers`` strategy uses worker processes."""
+    """Loader settings, each with its reason; only ``workers`` uses worker processes.
+
+    ``config`` may carry ``batch_nbytes`` (bytes of one training batch) so that RAM and
+    /dev/shm caps count the batches in flight; without it a batch is assumed to be
+    :data:`UNKNOWN_BATCH_BYTES`.
+    """
     nw = config.get("num_workers", "auto")
+    pf = config.get("prefetch_factor", "auto")
+    batch_nbytes = config.get("batch_nbytes")
+    plan.num_workers_candidates = []
     if plan.strategy != "workers":
-        plan.num_workers = 0 if nw == "auto" else int(nw)
-        plan.reasons["num_workers"] = (f"{plan.num_workers}: batches are gathered in the main process"
-                                       if nw == "auto" else f"{plan.num_workers}: set by configuration")
-    elif nw == "auto":
-        per_rank = max(1, r.physical_cores // max(1, r.local_world_size))
-        plan.num_workers = max(0, per_rank - 1) if per_rank > 1 else 0
+        plan.num_workers = 0 if nw in ("auto", "measure") else int(nw)
         plan.reasons["num_workers"] = (
-            f"{plan.num_workers}: {r.physical_cores} physical cores / {r.local_world_size} local ranks "
-            f"= {per_rank} per rank, less one for the main process"
-        )
+            f"0: strategy {plan.strategy!r} gathers batches in the main process, no workers to feed"
+            if nw in ("auto", "measure") else f"{plan.num_workers}: set by configuration")
     else:
-        plan.num_workers = int(nw)
-        plan.reasons["num_workers"] = f"{plan.num_workers}: set by configuration"
+        prefetch = 2 if pf == "auto" else int(pf)
+        auto, why = _auto_workers(r, batch_nbytes, prefetch)
+        if pf == "auto" and auto < max(1, r.physical_cores // max(1, r.local_world_size)) - 1:
+            # A cap bound at two batches per worker: one batch each may buy more workers.
+            one, why_one = _auto_workers(r, batch_nbytes, 1)
+            if one > auto:
+                auto, why = one, why_one + " (at one batch in flight per worker)"
+        if nw == "auto":
+            plan.num_workers = auto
+            plan.reasons["num_workers"] = f"{auto}: {why}"
+        elif nw == "measure":
+            plan.num_workers = auto
+            plan.num_workers_candidates = _measure_candidates(auto)
+            plan.reasons["num_workers"] = (f"{auto} until measured: candidates {plan.num_workers_candidates} "
+                                           f"are timed in setup, capped by the auto value ({why})")
+        else:
+            plan.num_workers = int(nw)
+            plan.reasons["num_workers"] = (f"{plan.num_workers}: set by configuration" +
+                                           (f" (auto would pick {auto}: {why})" if auto != plan.num_workers else ""))
 
     pm = config.get("pin_memory", "auto")
-    copies = plan.strategy == "workers" and r.device_type == "cuda"
-    plan.pin_memory = copies if pm == "auto" else bool(pm)
-    plan.reasons["pin_memory"] = (
-        f"{plan.pin_memory}: " + ("host-to-device copies exist" if copies else "no host-to-device copy")
-        if pm == "auto" else f"{plan.pin_memory}: set by configuration"
-    )
-    pf = config.get("prefetch_factor", "auto")
+    cuda = r.device_type == "cuda"
+    copies = cuda and plan.strategy in ("workers", "chunked")
+    if pm != "auto":
+        plan.pin_memory = bool(pm)
+        plan.reasons["pin_memory"] = f"{plan.pin_memory}: set by configuration"
+    else:
+        plan.pin_memory = copies
+        if copies:
+            why = "batches are copied host-to-device; pinned pages make the copy asynchronous and faster"
+        elif not cuda:
+            why = "training runs on the CPU: there is no host-to-device copy to speed up"
+        elif plan.strategy == "device":
+            why = "the store lives on the device: batches never cross the host-to-device link"
+        else:
+            why = "no host-to-device copy"
+        plan.reasons["pin_memory"] = f"{plan.pin_memory}: {why}"
+
     if plan.num_workers == 0:
         plan.prefetch_factor = None
-        plan.reasons["prefetch_factor"] = "None: no worker processes"
+        plan.reasons["prefetch_factor"] = "None: no worker processes (PyTorch requires None then)"
+    elif pf != "auto":
+        plan.prefetch_factor = int(pf)
+        plan.reasons["prefetch_factor"] = f"{plan.prefetch_factor}: set by configuration"
     else:
-        plan.prefetch_factor = 2 if pf == "auto" else int(pf)
-        why = "two batches in flight per worker" if pf == "auto" else "set by configuration"
-        plan.reasons["prefetch_factor"] = f"{plan.prefetch_factor}: {why}"
+        at_one = "at one batch in flight per worker" in plan.reasons.get("num_workers", "")
+        plan.prefetch_factor = 1 if at_one else 2
+        plan.reasons["prefetch_factor"] = (
+            "1: /dev/shm or RAM holds only one batch in flight per worker" if at_one else
+            f"2: {2 * plan.num_workers} batches in flight over {plan.num_workers} worker(s) hide per-batch "
+            "jitter; more costs RAM and /dev/shm without speed when the workers keep up")
+
     pw = config.get("persistent_workers", "auto")
-    plan.persistent_workers = plan.num_workers > 0 if pw == "auto" else bool(pw) and plan.num_workers > 0
-    plan.reasons["persistent_workers"] = (
-        f"{plan.persistent_workers}: " + ("workers kept across epochs (no restart cost)" if plan.num_workers
-                                          else "no worker processes")
-    )
+    if plan.num_workers == 0:
+        plan.persistent_workers = False
+        plan.reasons["persistent_workers"] = "False: no worker processes" + (
+            " (the configured True has no effect)" if pw is True else "")
+    elif pw != "auto":
+        plan.persistent_workers = bool(pw)
+        plan.reasons["persistent_workers"] = f"{plan.persistent_workers}: set by configuration"
+    else:
+        plan.persistent_workers = True
+        plan.reasons["persistent_workers"] = ("True: workers are kept across epochs; restarting them costs a fork "
+                                              "and a re-pickled dataset per worker every epoch")

@@ -1,19 +1,32 @@
-"""Seed derivation: one 63-bit seed per (seed, stream, rank, worker, epoch, step).
+"""Seeds: one derivation for every random stream, and the seeding of DataLoader workers.
 
 Every random stream of the package comes from :func:`derive_seed`, built on numpy's
 ``SeedSequence`` so nearby keys (rank 0 vs 1, epoch 3 vs 4) give statistically
 independent streams, not shifted copies of one another.
+
+:class:`WorkerSeeding` is a ``worker_init_fn`` that seeds python ``random``, numpy and
+torch in each worker from (seed, global rank, worker id, epoch), then calls the user's own
+``worker_init_fn``. The epoch lives in a one-element shared-memory tensor that the main
+process writes (``set_epoch``) and every worker reads, so persistent workers, which are
+started once, still reseed at their first fetch of each new epoch.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import warnings
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 #: Stream tags keep the augmentation, shuffling and worker streams apart even when
 #: their other keys coincide.
-STREAMS = {"augment": 1, "worker": 2, "order": 3, "block": 4}
+STREAMS = {"augment": 1, "worker": 2, "order": 3, "block": 4, "worker-unset-epoch": 5}
 
 
 def derive_seed(
@@ -45,6 +58,316 @@ def derive_seed(
         tag = 1000 + zlib.crc32(stream.encode())
     keys = [tag, rank, worker, epoch, step]
     if min(keys) < 0:
-        raise ValueError(f"seed keys must be >= 0, got rank={rank} worker={worker} epoch={epoch} step={step}")
+        raise ValueError(
+            f"seed keys must be >= 0, got rank={rank} worker={worker} epoch={epoch} step={step}"
+        )
     state = np.random.SeedSequence(entropy=seed, spawn_key=keys).generate_state(2, np.uint64)
     return int(state[0] >> np.uint64(1))
+
+
+def seed_libraries(seed: int) -> None:
+    """Seed python ``random``, numpy's global state and torch from one 63-bit seed.
+
+    The three libraries get three different words of ``SeedSequence(seed)``, so their
+    streams are unrelated even though two of them use the same Mersenne Twister.
+    """
+    words = np.random.SeedSequence(seed).generate_state(8, np.uint32)
+    torch.manual_seed(int(words[0]) << 31 | int(words[1]) >> 1)
+    random.seed(int(words[2]) << 32 | int(words[3]))
+    np.random.seed(words[4:8])
+
+
+# Worker-process state: the active seeding, this worker's id, and the epoch last seeded.
+# Module globals are per process, so every worker has its own.
+_WORKER: dict[str, Any] = {}
+_UNSET = -1
+
+
+class WorkerSeeding:
+    """A ``worker_init_fn`` seeding ``random``, numpy and torch per (seed, rank, worker, epoch).
+
+    Call :meth:`set_epoch` in the main process before each epoch's iteration starts (or let
+    :meth:`follow` do it from a sampler's ``set_epoch``); workers, persistent ones included,
+    reseed at their first fetch of the new epoch. Until an epoch is set, workers mix in
+    torch's per-iteration base seed instead, which also differs per epoch (it is drawn
+    from the main process's generator) but cannot be resumed mid-run.
+
+    Args:
+        seed: Base seed, identical on every rank.
+        rank: Global rank of this process.
+        user_fn: The user's own ``worker_init_fn``, called after the seeding.
+        epoch: Initial epoch (None: not set yet).
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        rank: int = 0,
+        user_fn: Callable[[int], None] | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        if user_fn is not None and not callable(user_fn):
+            raise TypeError(f"user_fn must be callable, got {type(user_fn).__name__}")
+        if isinstance(user_fn, WorkerSeeding):
+            raise ValueError("user_fn is already a WorkerSeeding; install the seeding only once")
+        self.seed, self.rank, self.user_fn = seed, rank, user_fn
+        # Shared memory: a write in the main process is seen by workers that already run.
+        self._epoch = torch.full((1,), _UNSET if epoch is None else int(epoch), dtype=torch.int64)
+        self._epoch.share_memory_()
+        self.followed = False
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch workers seed for, or None when none was set."""
+        value = int(self._epoch[0])
+        return None if value == _UNSET else value
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the workers' next fetches are seeded for (main process)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._epoch[0] = epoch
+
+    def follow(self, sampler: Any) -> None:
+        """Mirror every ``sampler.set_epoch(e)`` (Lightning calls it each epoch) here."""
+        original = getattr(sampler, "set_epoch", None)
+        if not callable(original):
+            raise TypeError(f"{type(sampler).__name__} has no set_epoch to follow")
+        if getattr(original, "_lfd_follows", None) is self:
+            return
+
+        def set_epoch(epoch: int) -> None:
+            original(epoch)
+            self.set_epoch(int(epoch))
+
+        set_epoch._lfd_follows = self  # type: ignore[attr-defined]
+        sampler.set_epoch = set_epoch
+        current = getattr(sampler, "epoch", None)
+        if isinstance(current, int) and current >= 0:
+            self.set_epoch(current)
+        self.followed = True
+
+    def worker_seed(self, worker_id: int, epoch: int | None = None, base_seed: int = 0) -> int:
+        """The seed of ``worker_id`` for ``epoch``; with no epoch, for torch's ``base_seed``."""
+        if epoch is None:
+            return derive_seed(
+                self.seed,
+                stream="worker-unset-epoch",
+                rank=self.rank,
+                worker=worker_id,
+                step=base_seed,
+            )
+        return derive_seed(
+            self.seed, stream="worker", rank=self.rank, worker=worker_id, epoch=epoch
+        )
+
+    def _reseed(self) -> None:
+        raw = int(_WORKER["epoch_view"][0])
+        epoch = None if raw == _UNSET else raw
+        seed_libraries(self.worker_seed(_WORKER["worker"], epoch, _WORKER["base_seed"]))
+        _WORKER["epoch"] = raw
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        _WORKER.clear()
+        _WORKER.update(
+            seeding=self,
+            worker=worker_id,
+            epoch_view=self._epoch.numpy(),
+            base_seed=info.seed if info is not None else 0,
+        )
+        self._reseed()
+        if info is not None:
+            _reseed_on_epoch_change(info.dataset)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerSeeding(seed={self.seed}, rank={self.rank}, epoch={self.epoch}, "
+            f"user_fn={self.user_fn!r})"
+        )
+
+
+def _maybe_reseed() -> None:
+    """In a worker: reseed when the main process moved to another epoch since the last seeding."""
+    state = _WORKER
+    if state and int(state["epoch_view"][0]) != state["epoch"]:
+        state["seeding"]._reseed()
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _reseeding_class(cls: type) -> type:
+    """A subclass of ``cls`` whose fetch entry points check the epoch first (cached per class)."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is not None:
+        return sub
+    ns: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if issubclass(cls, IterableDataset) or (
+        hasattr(cls, "__iter__") and not hasattr(cls, "__getitem__")
+    ):
+
+        def __iter__(self: Any) -> Any:
+            _maybe_reseed()
+            return cls.__iter__(self)
+
+        ns["__iter__"] = __iter__
+    if hasattr(cls, "__getitem__"):
+
+        def __getitem__(self: Any, index: Any) -> Any:
+            _maybe_reseed()
+            return cls.__getitem__(self, index)
+
+        ns["__getitem__"] = __getitem__
+    if hasattr(cls, "__getitems__"):
+
+        def __getitems__(self: Any, indices: Any) -> Any:
+            _maybe_reseed()
+            return cls.__getitems__(self, indices)  # type: ignore[attr-defined]
+
+        ns["__getitems__"] = __getitems__
+    sub = type(cls.__name__, (cls,), ns)
+    _SUBCLASSES[cls] = sub
+    return sub
+
+
+def _reseed_on_epoch_change(dataset: Any) -> None:
+    """Make this worker's copy of ``dataset`` reseed when the epoch changes (worker process only).
+
+    The dataset object in a worker is the worker's own copy, so giving it a subclass that
+    checks the epoch before each fetch changes nothing in the main process or elsewhere.
+    """
+    try:
+        dataset.__class__ = _reseeding_class(type(dataset))
+    except TypeError as e:
+        warnings.warn(
+            f"lightning_fastdata: a {type(dataset).__name__} dataset cannot be wrapped ({e}); "
+            "persistent workers will not reseed per epoch, their streams continue instead",
+            stacklevel=2,
+        )
+
+
+def _torch_loader(dataloader: Any) -> DataLoader | None:
+    """The ``torch.utils.data.DataLoader`` behind ``dataloader`` (a WorkerLoader wraps one)."""
+    if isinstance(dataloader, DataLoader):
+        return dataloader
+    inner = getattr(dataloader, "dataloader", None)
+    return inner if isinstance(inner, DataLoader) else None
+
+
+def install_worker_seeding(dataloader: Any, seed: int, rank: int) -> bool:
+    """Install :class:`WorkerSeeding` as ``dataloader.worker_init_fn``, chaining the user's.
+
+    Nothing is installed in a loader without workers, or one already seeded by this
+    package. When the loader's sampler has ``set_epoch`` (``DistributedSampler``, which
+    Lightning advances every epoch) the seeding follows it.
+
+    Args:
+        dataloader: A ``torch.utils.data.DataLoader`` (or the package's ``WorkerLoader``).
+        seed: Base seed, identical on every rank.
+        rank: Global rank of this process.
+
+    Returns:
+        Whether the seeding was installed.
+    """
+    dl = _torch_loader(dataloader)
+    if dl is None or dl.num_workers == 0 or isinstance(dl.worker_init_fn, WorkerSeeding):
+        return False
+    seeding = WorkerSeeding(seed, rank, user_fn=dl.worker_init_fn)
+    for sampler in (
+        getattr(dl, "sampler", None),
+        getattr(getattr(dl, "batch_sampler", None), "sampler", None),
+    ):
+        if callable(getattr(sampler, "set_epoch", None)):
+            seeding.follow(sampler)
+            break
+    dl.worker_init_fn = seeding
+    return True
+
+
+def set_worker_epoch(dataloader: Any, epoch: int) -> bool:
+    """Tell the loader's workers the next epoch; False without a :class:`WorkerSeeding`."""
+    dl = _torch_loader(dataloader)
+    fn = getattr(dl, "worker_init_fn", None)
+    if not isinstance(fn, WorkerSeeding):
+        return False
+    fn.set_epoch(epoch)
+    return True
+
+
+_RNG_TYPES = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)
+
+
+def _held_generators(obj: Any, path: str, depth: int, seen: set[int]) -> list[str]:
+    """Attribute paths under ``obj`` (a few levels deep) that hold a random generator object."""
+    if id(obj) in seen or depth < 0:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, _RNG_TYPES):
+        return [path]
+    if isinstance(obj, (list, tuple)):
+        items: list[tuple[str, Any]] = [(f"{path}[{i}]", v) for i, v in enumerate(obj[:32])]
+    elif isinstance(obj, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in list(obj.items())[:32]]
+    elif hasattr(obj, "__dict__") and not isinstance(
+        obj, (type, torch.Tensor, np.ndarray, torch.nn.Module)
+    ):
+        items = [(f"{path}.{k}", v) for k, v in list(vars(obj).items())[:64]]
+    else:
+        return []
+    found: list[str] = []
+    for sub_path, value in items:
+        found += _held_generators(value, sub_path, depth - 1, seen)
+    return found
+
+
+def randomness_repeats(dataloader: Any) -> str | None:
+    """Why ``dataloader``'s workers would draw repeated random numbers, or None when they would not.
+
+    Reports a dataset (or its transforms) holding its own generator object, which every
+    worker copies with one state and nobody reseeds; and, under DDP, workers seeded only
+    by torch from a main-process generator that ``seed_everything`` makes identical on
+    every rank.
+
+    Args:
+        dataloader: A ``torch.utils.data.DataLoader`` (or the package's ``WorkerLoader``).
+
+    Returns:
+        A sentence naming the cause and the fix, meant for a one-time warning; None if fine.
+    """
+    dl = _torch_loader(dataloader)
+    if dl is None or dl.num_workers == 0:
+        return None
+    held = _held_generators(dl.dataset, "dataset", depth=3, seen=set())
+    if held:
+        return (
+            f"{held[0]} is a random generator object: every DataLoader worker gets a copy in the "
+            "same state and no worker_init_fn reseeds it, so workers (and, without persistent "
+            "workers, epochs) repeat the same draws; draw from torch, numpy or random's global "
+            "functions instead, which "
+            "are reseeded per worker, rank and epoch"
+        )
+    fn = dl.worker_init_fn
+    if isinstance(fn, WorkerSeeding):
+        return None
+    from lightning_fastdata import distributed as D
+
+    if D.world_size() > 1 and (
+        os.environ.get("PL_GLOBAL_SEED") is not None or dl.generator is not None
+    ):
+        what = "its generator" if dl.generator is not None else "seed_everything"
+        return (
+            f"under DDP the workers of every rank get the same seeds ({what} makes the generator "
+            "torch "
+            "seeds workers from identical on all ranks), so all ranks draw the same augmentations; "
+            "install lightning_fastdata's worker seeding (install_worker_seeding) or a "
+            "worker_init_fn "
+            "that mixes in the global rank"
+        )
+    return None

@@ -61,7 +61,7 @@ def test_cache_key_and_loader_settings(cache_dir):
     (dict(vram_fraction=1.5), "vram_fraction must be in \\(0, 1\\], got 1.5"),
     (dict(batch_size=-1), "batch_size must be an int > 0, got -1"),
     (dict(strategy="gpu"), "strategy must be one of"),
-    (dict(num_workers=-2), "num_workers must be 'auto' or an int >= 0, got -2"),
+    (dict(num_workers=-2), "num_workers must be 'auto', 'measure' or an int >= 0, got -2"),
     (dict(shared_memory="yes"), "shared_memory"),
     (dict(train_augment=3), "train_augment must be a callable"),
 ])
@@ -133,3 +133,12 @@ def test_unstorable_samples_fall_back_to_per_sample_workers(cache_dir):
     assert dm.plan.strategy == "workers" and "cannot be stored" in dm.plan.reasons["strategy"]
     names = [n for _, batch_names in dm.train_dataloader() for n in batch_names]
     assert sorted(names) == sorted(f"name-{i % 4}" for i in range(10))
+
+
+def test_persistent_workers_stop_at_teardown(tmp_path):
+    import psutil
+
+    dm = TinyDataModule(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="workers",
+                        num_workers=2, persistent_workers=True, val=False)
+    trainer(tmp_path, max_epochs=2).fit(TinyModel(), dm)
+    assert psutil.Process().children(recursive=True) == []

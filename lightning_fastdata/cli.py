@@ -1,0 +1,430 @@
+"""The ``fastdata`` command.
+
+``fastdata fit|validate|test|predict --config x.yaml``
+    Lightning's ``LightningCLI`` over any ``LightningModule`` and any
+    :class:`~lightning_fastdata.OptimizedDataModule` subclass, both chosen by
+    ``class_path`` in the config.
+``fastdata plan --config x.yaml``
+    The resources, the store sizes, the chosen strategy and loader parameters with
+    their reasons; it builds the cache if needed and trains nothing.
+``fastdata bench --config x.yaml``
+    Loader-only throughput (fetch, transfer to the device, augmentation) of every
+    feasible strategy on the configured data module: a table, a recommendation that
+    is the fastest measured strategy, and JSON with ``--json``.
+
+``plan`` and ``bench`` read the same config as ``fit`` (``model`` may be left out);
+``trainer.accelerator`` and ``trainer.devices`` say which device and how many local
+ranks the plan is for. A bad config fails with jsonargparse's message naming the key
+and exit code 2, never a traceback from deep inside.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning_utilities.core import rank_zero as rank_zero_module
+
+from lightning_fastdata.autotune import shutdown_workers, time_loader
+from lightning_fastdata.datamodule import OptimizedDataModule
+from lightning_fastdata.plan import Plan, PlanError, Resources, decide, fmt_bytes, probe_resources
+
+#: Strategies ``bench`` tries, in the order of the table.
+BENCH_STRATEGIES = ("device", "chunked", "workers")
+_TOOLS = ("plan", "bench")
+_LIGHTNING = ("fit", "validate", "test", "predict")
+_USAGE = """usage: fastdata {fit,validate,test,predict,plan,bench} --config CONFIG.yaml [overrides]
+
+Keep accelerators fed: a LightningCLI over any LightningModule and any
+OptimizedDataModule subclass (both by class_path), plus two tools.
+
+subcommands:
+  fit, validate, test, predict   run Lightning (see `fastdata fit --help`)
+  plan                           resources, store size, chosen strategy and loader
+                                 parameters with their reasons; trains nothing
+  bench                          loader-only samples/s of every feasible strategy on
+                                 your data module; table, recommendation, --json out
+"""
+
+# Errors raised by user classes' __init__ for a bad value (OptimizedDataModule's checks
+# are ValueError/TypeError); they become a parser error naming the section, not a traceback.
+_CONFIG_ERRORS = (ValueError, TypeError, PlanError, MisconfigurationException)
+
+
+def _section(exc: BaseException) -> str:
+    """Which config section's class raised ``exc``: the innermost Lightning object on the stack."""
+    kinds = ((LightningDataModule, "data"), (LightningModule, "model"), (Trainer, "trainer"))
+    found = ""
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:  # jsonargparse re-raises: follow the chain
+        seen.add(id(chain))
+        tb = chain.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            for cls, name in kinds:
+                if isinstance(obj, cls):
+                    found = f"{name} ({type(obj).__module__}.{type(obj).__qualname__})"
+            tb = tb.tb_next
+        if found:
+            break
+        chain = chain.__cause__ or chain.__context__
+    return found or "the configuration"
+
+
+def _fail(parser: Any, exc: BaseException) -> None:
+    parser.error(f"invalid value in {_section(exc)}: {exc}")
+
+
+class FastDataCLI(LightningCLI):
+    """``LightningCLI`` for any LightningModule and any OptimizedDataModule, by class_path.
+
+    Args:
+        args: Command-line arguments (default ``sys.argv[1:]``).
+        run: Run the subcommand after instantiating.
+        **kwargs: Passed to ``LightningCLI``.
+    """
+
+    def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(None, OptimizedDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                         args=args, run=run, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        """Instantiate as LightningCLI does; a bad value becomes a parser error naming the section."""
+        try:
+            super().instantiate_classes()
+        except _CONFIG_ERRORS as e:
+            _fail(self._parser(self.subcommand), e)
+
+
+class _ToolCLI(LightningCLI):
+    """Parses the ``fit`` config for ``plan``/``bench``; instantiates the data module only."""
+
+    def __init__(self, tool: str, args: list[str]) -> None:
+        self.tool = tool
+        self.datamodule: OptimizedDataModule
+        super().__init__(None, OptimizedDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                         args=args, run=False, save_config_callback=None,
+                         parser_kwargs={"description": _USAGE.splitlines()[0]})
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The model is not needed to plan or to bench the loaders: accepted, not required.
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.add_lightning_class_args(LightningModule, "model", subclass_mode=True, required=False)
+        parser.add_lightning_class_args(OptimizedDataModule, "data", subclass_mode=True)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--json", type=str | None, default=None,
+                            help="Write the report as JSON to this path ('-' for stdout).")
+        if self.tool == "bench":
+            parser.add_argument("--batches", type=PositiveInt, default=30, help="Batches timed per repeat.")
+            parser.add_argument("--warmup", type=NonNegativeInt, default=3, help="Untimed batches before each repeat.")
+            parser.add_argument("--repeats", type=PositiveInt, default=3, help="Repeats; the median is reported.")
+            parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar.")
+
+    def instantiate_classes(self) -> None:
+        """Instantiate the ``data`` section alone (no model, no Trainer: nothing trains)."""
+        parser = LightningArgumentParser()
+        parser.add_lightning_class_args(OptimizedDataModule, "data", subclass_mode=True)
+        try:
+            cfg = parser.parse_object({"data": self.config.data.as_dict()})
+            instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+            self.datamodule = instantiate(cfg).data
+        except _CONFIG_ERRORS as e:
+            _fail(self.parser, e)
+
+
+def target(trainer_cfg: Any, dm: OptimizedDataModule) -> tuple[torch.device, int]:
+    """The device and the number of local ranks the Trainer config asks for.
+
+    ``data.device`` wins over ``trainer.accelerator``; ``devices`` may be an int, "auto",
+    -1, a list of ids or a string of them.
+    """
+    accel = str(getattr(trainer_cfg, "accelerator", "auto") or "auto").lower()
+    cuda = accel in ("gpu", "cuda") or (accel == "auto" and torch.cuda.is_available())
+    devices: Any = getattr(trainer_cfg, "devices", "auto")
+    count = torch.cuda.device_count() if cuda else 1
+    if isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif isinstance(devices, str) and devices not in ("auto", "-1"):
+        parts = [p for p in devices.split(",") if p.strip()]
+        n = len(parts) if len(parts) > 1 or devices.endswith(",") else int(parts[0])
+    elif devices in ("auto", "-1", -1, None):
+        n = count if cuda else 1
+    else:
+        n = int(devices)
+    device = torch.device(dm.device) if dm.device else torch.device("cuda" if cuda else "cpu")
+    return device, max(1, n)
+
+
+def plan_for(dm: OptimizedDataModule, device: torch.device, local_world_size: int,
+             strategy: str | None = None, resources: Resources | None = None) -> Plan:
+    """The plan ``dm.setup("fit")`` would make on ``device`` as one of ``local_world_size`` ranks.
+
+    Builds the caches if needed (``prepare_data``), opens the train and val stores and
+    decides; nothing is placed on the device. ``strategy`` overrides the configured one.
+
+    Raises:
+        PlanError: a forced strategy cannot work here.
+    """
+    dm.prepare_data()
+    for split, src in dm._sources(("train", "val")).items():
+        if split not in dm.stores and split not in dm._raw:
+            store = dm._open(split, src)
+            if store is None:
+                dm._raw[split] = src
+            else:
+                dm.stores[split] = store
+    if not dm.stores and not dm._raw:
+        raise PlanError(f"{type(dm).__name__}.source('train') and source('val') returned None: nothing to plan")
+    resources = resources or probe_resources(device, local_world_size=local_world_size)
+    nbytes = None if dm._raw else sum(s.nbytes for s in dm.stores.values())
+    config = dm._plan_config()
+    if strategy is not None:
+        config["strategy"] = strategy
+    return decide(nbytes, resources, config)
+
+
+def describe_resources(r: Resources) -> str:
+    """One paragraph on the machine the plan is for."""
+    dev = "VRAM" if r.device_type == "cuda" else "RAM"
+    return (f"cores: {r.physical_cores} physical, {r.logical_cores} logical (this process may use)\n"
+            f"RAM: {fmt_bytes(r.ram_total)} total, {fmt_bytes(r.ram_available)} available\n"
+            f"device: {r.device_type}, {dev} {fmt_bytes(r.device_total)} total, {fmt_bytes(r.device_free)} free\n"
+            f"/dev/shm: {fmt_bytes(r.shm_free)} free\n"
+            f"local ranks: {r.local_world_size}")
+
+
+def describe_stores(dm: OptimizedDataModule) -> list[dict[str, Any]]:
+    """Per split: samples, bytes, and where the cache lives."""
+    out = []
+    for split, store in dm.stores.items():
+        out.append({"split": split, "samples": len(store), "nbytes": store.nbytes,
+                    "fields": [f"{i.name or 'sample'}: {np.dtype(i.dtype).name}{list(i.shape)}"
+                               for i in store.infos],
+                    "path": str(store.path) if store.path else None})
+    for split, src in dm._raw.items():
+        out.append({"split": split, "samples": len(src), "nbytes": None, "fields": [],
+                    "path": "not stored: loaded per sample"})
+    return out
+
+
+def run_plan(dm: OptimizedDataModule, device: torch.device, local_world_size: int,
+             json_path: str | None = None, out: Any = None) -> dict[str, Any]:
+    """``fastdata plan``: print resources, stores and the plan with its reasons; return the report."""
+    out = out or sys.stdout
+    plan = plan_for(dm, device, local_world_size)
+    stores = describe_stores(dm)
+    print("## resources\n" + describe_resources(plan.resources), file=out)
+    print("\n## stores", file=out)
+    for s in stores:
+        size = fmt_bytes(s["nbytes"]) if s["nbytes"] is not None else "-"
+        print(f"{s['split']}: {s['samples']} samples, {size} ({', '.join(s['fields'])}) at {s['path']}", file=out)
+    print(f"total: {fmt_bytes(plan.store_nbytes)}", file=out)
+    print("\n## plan", file=out)
+    rows = [("strategy", plan.strategy), ("num_workers", plan.num_workers), ("pin_memory", plan.pin_memory),
+            ("prefetch_factor", plan.prefetch_factor), ("persistent_workers", plan.persistent_workers)]
+    if plan.chunk_bytes:
+        rows.append(("chunk_bytes", fmt_bytes(plan.chunk_bytes)))
+    for key, value in rows:
+        why = plan.reasons.get(key, "")
+        print(f"{key} = {value}\n    {why}", file=out)
+    for key, why in plan.reasons.items():
+        if key not in dict(rows):
+            print(f"{key}: {why}", file=out)
+    report = {"device": str(device), "local_world_size": local_world_size, "stores": stores,
+              "plan": plan.as_dict()}
+    _write_json(report, json_path, out)
+    return report
+
+
+def run_bench(dm: OptimizedDataModule, device: torch.device, local_world_size: int, batches: int = 30,
+              warmup: int = 3, repeats: int = 3, progress: bool = True, json_path: str | None = None,
+              strategies: tuple[str, ...] = BENCH_STRATEGIES, out: Any = None) -> dict[str, Any]:
+    """``fastdata bench``: time every feasible strategy's training loader; print a table; return the report.
+
+    Each strategy runs with the loader parameters its plan gives for ``local_world_size``
+    ranks; a timed batch is fetched, moved to ``device`` and augmented with
+    ``train_augment``, as in training, without a model. Rates are the median of
+    ``repeats``.
+    """
+    out = out or sys.stdout
+    auto = plan_for(dm, device, local_world_size)
+    rows = [bench_strategy(dm, s, device, local_world_size, batches, warmup, repeats, progress) for s in strategies]
+    measured = [r for r in rows if r.get("samples_per_s")]
+    if not measured:
+        raise PlanError("no strategy could be measured: " + "; ".join(f"{r['strategy']}: {r['reason']}" for r in rows))
+    best = max(measured, key=lambda r: r["samples_per_s"])
+    baseline = next((r for r in measured if r["strategy"] == "workers"), None)
+    for r in measured:
+        r["vs_workers"] = r["samples_per_s"] / baseline["samples_per_s"] if baseline else None
+    auto_row = next((r for r in measured if r["strategy"] == auto.strategy), None)
+    runner_up = max((r for r in measured if r is not best), key=lambda r: r["samples_per_s"], default=None)
+    noise = ""
+    if runner_up is not None and runner_up["samples_per_s"] >= 0.95 * best["samples_per_s"]:
+        noise = (f"; '{runner_up['strategy']}' is within 5% ({runner_up['samples_per_s']:,.0f} samples/s): "
+                 "either is fine, the gap is noise")
+    if best["strategy"] == auto.strategy:
+        advice = f"strategy: {best['strategy']} (measured fastest; it is what strategy='auto' picks here{noise})"
+    else:
+        ratio = (f", {best['samples_per_s'] / auto_row['samples_per_s']:.2f}x the auto choice "
+                 f"'{auto.strategy}'" if auto_row else "")
+        advice = (f"strategy: {best['strategy']} (measured fastest{ratio}{noise}); set "
+                  f"data.init_args.strategy: {best['strategy']} in the config")
+    report = {"device": str(device), "local_world_size": local_world_size, "batch_size": dm.batch_size,
+              "batches": batches, "warmup": warmup, "repeats": repeats, "auto_strategy": auto.strategy,
+              "recommendation": best["strategy"], "advice": advice, "results": rows,
+              "resources": vars(auto.resources), "store_nbytes": auto.store_nbytes}
+    print(format_table(rows, dm.batch_size, device), file=out)
+    print(f"\nrecommendation: {advice}", file=out)
+    _write_json(report, json_path, out)
+    return report
+
+
+def bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device, local_world_size: int,
+                   batches: int, warmup: int, repeats: int, progress: bool) -> dict[str, Any]:
+    """Median loader-only samples/s of ``dm``'s training loader under ``strategy`` (one row of ``bench``).
+
+    Returns:
+        ``{"strategy", "feasible", "samples_per_s", "rates", "num_workers", ...}``, or
+        ``feasible: False`` with the reason when the plan refuses the strategy.
+    """
+    saved = {k: getattr(dm, k) for k in ("strategy", "num_workers", "device")}
+    quiet = getattr(rank_zero_module, "log", logging.getLogger("lightning.pytorch.utilities.rank_zero"))
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # setup's plan log, once per strategy, would bury the table
+    try:
+        return _bench_strategy(dm, strategy, device, local_world_size, batches, warmup, repeats, progress)
+    finally:
+        quiet.setLevel(level)
+        for k, v in saved.items():
+            setattr(dm, k, v)
+
+
+def _bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device, local_world_size: int,
+                    batches: int, warmup: int, repeats: int, progress: bool) -> dict[str, Any]:
+    try:
+        plan = plan_for(dm, device, local_world_size, strategy=strategy)
+    except PlanError as e:
+        return {"strategy": strategy, "feasible": False, "reason": str(e)}
+    dm.strategy, dm.device = strategy, str(device)
+    if dm.num_workers in ("auto", "measure"):
+        dm.num_workers = plan.num_workers  # as planned for local_world_size ranks, not for this process alone
+    augment = dm.train_augment
+    bar = _progress(strategy, repeats * (warmup + batches), progress)
+    step = [0]
+
+    def consume(batch: Any) -> None:
+        if augment is not None:
+            dm.augment_batch(batch, augment, step=step[0])
+        step[0] += 1
+        if bar is not None:
+            bar.update(1)
+
+    rates, loader = [], None
+    try:
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        for _ in range(repeats):
+            rates.append(time_loader(loader, device, batches=batches, warmup=warmup, consume=consume)[0])
+    except (PlanError, RuntimeError) as e:
+        return {"strategy": strategy, "feasible": False, "reason": f"{type(e).__name__}: {e}"}
+    finally:
+        if bar is not None:
+            bar.close()
+        shutdown_workers(loader)  # idle workers of one strategy must not linger into the next
+        dm.teardown("fit")
+    p = dm.plan or plan
+    return {"strategy": strategy, "feasible": True, "samples_per_s": statistics.median(rates),
+            "rates": rates, "num_workers": p.num_workers, "pin_memory": p.pin_memory,
+            "prefetch_factor": p.prefetch_factor, "reason": plan.reasons.get("strategy", "")}
+
+
+def _progress(strategy: str, total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"bench {strategy}", unit="batch", leave=False, file=sys.stderr)
+
+
+def format_table(rows: list[dict[str, Any]], batch_size: int, device: torch.device) -> str:
+    """Markdown table of a bench report's rows."""
+    lines = [f"loader-only throughput on {device}, batch {batch_size} (median of repeats)", "",
+             "| strategy | samples/s | vs workers | num_workers | pin_memory | note |",
+             "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        if r.get("samples_per_s"):
+            vs = f"{r['vs_workers']:.2f}x" if r.get("vs_workers") else "-"
+            lines.append(f"| {r['strategy']} | {r['samples_per_s']:,.0f} | {vs} | {r['num_workers']} | "
+                         f"{r['pin_memory']} | |")
+        else:
+            lines.append(f"| {r['strategy']} | - | - | - | - | not feasible: {r['reason']} |")
+    return "\n".join(lines)
+
+
+def _write_json(report: dict[str, Any], path: str | None, out: Any) -> None:
+    if not path:
+        return
+    text = json.dumps(report, indent=2, default=str)
+    if path == "-":
+        print(text, file=out)
+        return
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{time.time_ns()}.tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(dest)  # atomic: a reader never sees half a report
+    print(f"\nwrote {dest}", file=out)
+
+
+def _run_tool(tool: str, args: list[str]) -> None:
+    cli = _ToolCLI(tool, args)
+    cfg, dm = cli.config, cli.datamodule
+    device, ranks = target(cfg.trainer, dm)
+    try:
+        if tool == "plan":
+            run_plan(dm, device, ranks, json_path=cfg.json)
+        else:
+            run_bench(dm, device, ranks, batches=cfg.batches, warmup=cfg.warmup, repeats=cfg.repeats,
+                      progress=cfg.progress, json_path=cfg.json)
+    except PlanError as e:
+        cli.parser.error(str(e))
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``fastdata`` console script."""
+    # We hand LightningCLI the arguments after our own subcommand dispatch on purpose.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    argv = list(sys.argv[1:] if args is None else args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        if not argv:
+            raise SystemExit(2)
+        return
+    if argv[0] in _TOOLS:
+        _run_tool(argv[0], argv[1:])
+    elif argv[0] in _LIGHTNING or argv[0].startswith("-"):
+        FastDataCLI(args=argv)
+    else:
+        print(_USAGE, file=sys.stderr)
+        print(f"fastdata: error: unknown subcommand {argv[0]!r}; choose one of {_LIGHTNING + _TOOLS}",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,207 @@
+"""The ``fastdata`` command: fit/validate/test through LightningCLI, ``plan``, ``bench``, bad configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from lightning_fastdata.cli import FastDataCLI, main, target
+
+TESTS = str(Path(__file__).parent)
+
+
+def write_config(tmp_path: Path, data: dict | None = None, trainer: dict | None = None,
+                 model: bool = True) -> str:
+    """A fit config over tests/_cli_models.py, rooted in ``tmp_path``."""
+    init = {"n": 96, "batch_size": 16, "cache_dir": str(tmp_path / "cache"), "device": "cpu",
+            "train_augment": {"class_path": "lightning_fastdata.augment.Compose", "init_args": {"transforms": [
+                {"class_path": "lightning_fastdata.augment.RandomCrop", "init_args": {"size": 8, "padding": 2}},
+                {"class_path": "lightning_fastdata.augment.RandomHorizontalFlip"}]}}}
+    init.update(data or {})
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 1, "logger": False,
+                    "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                    "default_root_dir": str(tmp_path / "run"), **(trainer or {})},
+        "data": {"class_path": "_cli_models.CliImages", "init_args": init},
+    }
+    if model:
+        cfg["model"] = {"class_path": "_cli_models.CliModel", "init_args": {"size": 8}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_fit_validate_test_through_lightning_cli(tmp_path):
+    cfg = write_config(tmp_path)
+    cli = FastDataCLI(args=["fit", "--config", cfg])
+    assert type(cli.datamodule).__name__ == "CliImages" and cli.datamodule.batch_size == 16
+    assert cli.model.steps == 6  # 96 samples / 16 per batch, one epoch
+    assert cli.datamodule.plan.strategy == "device"
+    main(["validate", "--config", cfg])
+    # Persistent workers would outlive the call (the Trainer keeps the loader) and with them
+    # the listener directory a worker makes in TMPDIR to pass batch file descriptors.
+    main(["test", "--config", cfg, "--data.init_args.strategy", "workers",
+          "--data.init_args.persistent_workers", "false"])
+
+
+def test_plan_prints_resources_stores_and_reasons(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    out = tmp_path / "plan.json"
+    main(["plan", "--config", cfg, "--json", str(out)])
+    text = capsys.readouterr().out
+    for expected in ("## resources", "physical", "/dev/shm", "## stores", "train: 96 samples", "val: 48 samples",
+                     "## plan", "strategy = device", "fits the budget", "num_workers = 0", "pin_memory = False"):
+        assert expected in text, expected
+    report = json.loads(out.read_text())
+    assert report["plan"]["strategy"] == "device"
+    assert report["plan"]["store_nbytes"] == (96 + 48) * (3 * 8 * 8 + 8)
+    assert set(report["plan"]["reasons"]) >= {"strategy", "num_workers", "pin_memory", "prefetch_factor",
+                                              "persistent_workers"}
+    assert [s["split"] for s in report["stores"]] == ["train", "val"]
+    assert not (tmp_path / "run").exists()  # nothing trained, no Trainer made
+
+
+def test_plan_counts_the_trainers_local_ranks(tmp_path, capsys):
+    cfg = write_config(tmp_path, data={"strategy": "workers"}, trainer={"devices": 4, "strategy": "ddp"},
+                       model=False)
+    main(["plan", "--config", cfg, "--json", "-"])
+    text = capsys.readouterr().out
+    report = json.loads(text[text.index("{"):])
+    assert report["local_world_size"] == 4
+    assert "/ 4 local ranks" in report["plan"]["reasons"]["num_workers"]
+
+
+def test_bench_times_every_strategy_and_recommends_the_fastest(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    out = tmp_path / "bench" / "bench.json"
+    main(["bench", "--config", cfg, "--batches", "3", "--warmup", "1", "--repeats", "2", "--progress", "false",
+          "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "| strategy | samples/s |" in text and "recommendation: strategy:" in text
+    report = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in report["results"]}
+    assert set(rows) == {"device", "chunked", "workers"}
+    measured = [r for r in report["results"] if r.get("samples_per_s")]
+    assert measured and all(len(r["rates"]) == 2 for r in measured)
+    fastest = max(measured, key=lambda r: r["samples_per_s"])["strategy"]
+    assert report["recommendation"] == fastest and f"strategy: {fastest}" in text
+    assert rows["workers"]["num_workers"] == report["resources"]["physical_cores"] - 1 or \
+        report["resources"]["physical_cores"] == 1
+    assert report["auto_strategy"] == "device"
+
+
+def test_bench_reports_an_infeasible_strategy_and_recommends_among_the_rest(tmp_path, capsys):
+    cfg = write_config(tmp_path, data={"vram_fraction": 1e-9})
+    main(["bench", "--config", cfg, "--batches", "2", "--warmup", "0", "--repeats", "1", "--progress", "false",
+          "--json", str(tmp_path / "b.json")])
+    text = capsys.readouterr().out
+    report = json.loads((tmp_path / "b.json").read_text())
+    device = next(r for r in report["results"] if r["strategy"] == "device")
+    assert device["feasible"] is False and "strategy='device' needs" in device["reason"]
+    assert "not feasible" in text
+    assert report["recommendation"] != "device"
+
+
+def test_bench_shows_a_progress_bar(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    main(["bench", "--config", cfg, "--batches", "2", "--warmup", "0", "--repeats", "1"])
+    assert "bench device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["fit", "plan", "bench"])
+@pytest.mark.parametrize("override, culprit", [
+    (["--data.init_args.strategy", "fast"], "strategy"),
+    (["--data.init_args.batch_size", "-1"], "batch_size must be an int > 0, got -1"),
+    (["--data.init_args.num_workers", "-2"], "num_workers"),
+    (["--data.class_path", "nowhere.Missing"], "nowhere"),
+    (["--data.class_path", "_cli_models.CliModel"], "_cli_models.CliModel"),
+])
+def test_bad_config_is_a_clear_parser_error(tmp_path, capsys, tool, override, culprit):
+    cfg = write_config(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main([tool, "--config", cfg, *override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and culprit in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_value_names_the_config_section(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", cfg, "--data.init_args.vram_fraction", "3"])
+    err = capsys.readouterr().err
+    assert "data (_cli_models.CliImages)" in err and "vram_fraction must be in (0, 1], got 3" in err
+
+
+def test_forced_strategy_that_cannot_work_is_an_error_for_plan(tmp_path, capsys):
+    cfg = write_config(tmp_path, data={"strategy": "device", "vram_fraction": 1e-9})
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", cfg])
+    assert e.value.code == 2
+    assert "strategy='device' needs" in capsys.readouterr().err
+
+
+def test_console_script_exits_with_the_message_and_no_traceback(tmp_path):
+    cfg = write_config(tmp_path)
+    script = Path(sys.executable).with_name("fastdata")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_fastdata.cli"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([*cmd, "plan", "--config", cfg, "--data.init_args.batch_size", "0"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "batch_size must be an int > 0, got 0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_usage_lists_the_tools(capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert "plan" in out and "bench" in out and "fit" in out
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2 and "unknown subcommand 'frobnicate'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("trainer, expected", [
+    ({"accelerator": "cpu", "devices": 1}, ("cpu", 1)),
+    ({"accelerator": "cpu", "devices": 4}, ("cpu", 4)),
+    ({"accelerator": "cpu", "devices": "3"}, ("cpu", 3)),
+    ({"accelerator": "cpu", "devices": "auto"}, ("cpu", 1)),
+    ({"accelerator": "gpu", "devices": [0, 2]}, ("cuda", 2)),
+    ({"accelerator": "cuda", "devices": "0,1,3"}, ("cuda", 3)),
+])
+def test_target_reads_accelerator_and_devices(trainer, expected):
+    dm = SimpleNamespace(device=None)
+    device, ranks = target(SimpleNamespace(**trainer), dm)
+    assert (device.type, ranks) == expected
+    device, _ = target(SimpleNamespace(**trainer), SimpleNamespace(device="cpu"))
+    assert device == torch.device("cpu")  # data.device wins
+
+
+@pytest.mark.slow
+def test_plan_and_bench_on_the_example_config(tmp_path, capsys):
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "config.yaml")
+    small = ["--data.init_args.root", str(tmp_path / "demo"), "--data.init_args.cache_dir", str(tmp_path / "cache"),
+             "--data.init_args.train_per_class", "20", "--data.init_args.val_per_class", "5",
+             "--data.init_args.progress", "false", "--trainer.accelerator", "cpu"]
+    main(["plan", "--config", config, *small])
+    text = capsys.readouterr().out
+    assert "train: 200 samples" in text and "strategy = device" in text
+    main(["bench", "--config", config, *small, "--batches", "1", "--warmup", "0", "--repeats", "1",
+          "--progress", "false", "--json", str(tmp_path / "bench.json")])
+    text = capsys.readouterr().out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    measured = [r for r in report["results"] if r.get("samples_per_s")]
+    assert {r["strategy"] for r in measured} >= {"device", "workers"}
+    assert report["recommendation"] == max(measured, key=lambda r: r["samples_per_s"])["strategy"]
+    assert "| device |" in text and "recommendation:" in text

@@ -1,0 +1,130 @@
+"""Plan: the 60% VRAM rule, chunked vs device vs workers, forced strategies, fallback plans."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from _helpers import TinyDataModule
+
+import lightning_fastdata.datamodule as dm_module
+from lightning_fastdata.plan import (
+    CHUNK_CAP_BYTES,
+    VRAM_MARGIN_BYTES,
+    PlanError,
+    Resources,
+    decide,
+    fall_back,
+)
+
+GB = 10**9
+
+
+def gpu(total: int = 80 * GB, free: int | None = None, ram: int = 512 * GB, cores: int = 16) -> Resources:
+    """A CUDA rank with ``total`` bytes of VRAM (``free`` of them free, default all)."""
+    return Resources(cores, 2 * cores, ram, ram, "cuda", total, total if free is None else free, 64 * GB, 1)
+
+
+def cfg(**kw):
+    return {"strategy": "auto", "vram_fraction": 0.6, "batch_nbytes": 256 * 3 * 32 * 32, **kw}
+
+
+def test_small_vram_streams_in_chunks_large_vram_preloads():
+    store = 20 * GB
+    small, large = decide(store, gpu(total=16 * GB), cfg()), decide(store, gpu(total=80 * GB), cfg())
+    assert small.strategy == "chunked" and large.strategy == "device"
+    assert small.chunk_bytes == min(CHUNK_CAP_BYTES, int(0.6 * 16 * GB) // 4)
+    assert "exceeds the budget 9.6 GB" in small.reasons["strategy"]
+    assert "fits the budget 48.0 GB" in large.reasons["strategy"]
+    assert small.chunk_mode == "global" and "global" in small.reasons["chunk_mode"]
+    assert small.num_workers == 0 and large.num_workers == 0
+
+
+@pytest.mark.parametrize("total", [16 * GB, 24 * GB + 7, 80 * GB])
+def test_sixty_percent_rule_at_its_edge(total):
+    edge = int(0.6 * total)
+    assert decide(edge, gpu(total), cfg()).strategy == "device"
+    assert decide(edge + 1, gpu(total), cfg()).strategy == "chunked"
+    # The fraction is the user's: at 0.9 the same store fits again.
+    assert decide(edge + 1, gpu(total), cfg(vram_fraction=0.9)).strategy == "device"
+
+
+def test_budget_is_bounded_by_free_memory_less_a_margin():
+    total, free = 80 * GB, 10 * GB  # another process holds most of the device
+    edge = free - VRAM_MARGIN_BYTES
+    plan = decide(edge, gpu(total, free), cfg())
+    assert plan.strategy == "device"
+    over = decide(edge + 1, gpu(total, free), cfg())
+    assert over.strategy == "chunked"
+    assert "free 10.0 GB less a 1.1 GB margin" in over.reasons["strategy"]
+
+
+def test_a_chunk_holds_at_least_one_batch_and_a_store_is_at_least_four_chunks():
+    big_batch = 512 * 3 * 224 * 224  # 77 MB, above the usual chunk cap
+    plan = decide(100 * GB, gpu(total=80 * GB), cfg(batch_nbytes=big_batch))
+    assert plan.strategy == "chunked" and plan.chunk_bytes == big_batch
+    small = decide(40 * 10**6, gpu(total=80 * GB), cfg())  # fits: device, with a fallback chunk size kept
+    assert small.strategy == "device" and small.chunk_bytes == 10**7
+
+
+def test_workers_when_nothing_can_be_stored_or_a_chunk_cannot_hold_a_batch():
+    plan = decide(None, gpu(), cfg())
+    assert plan.strategy == "workers" and "cannot be stored" in plan.reasons["strategy"]
+    # 2 GB of VRAM, all but the margin in use: the budget is 0.
+    tiny = decide(10 * GB, gpu(total=2 * GB, free=VRAM_MARGIN_BYTES), cfg())
+    assert tiny.strategy == "workers" and "cannot hold one batch" in tiny.reasons["strategy"]
+    assert tiny.num_workers == 15  # 16 physical cores, one kept for the main process
+
+
+def test_forced_strategies_that_cannot_work_give_numbers_and_fix():
+    with pytest.raises(PlanError, match=r"needs 20.0 GB on the device, the budget is 9.6 GB .*raise vram_fraction"):
+        decide(20 * GB, gpu(total=16 * GB), cfg(strategy="device"))
+    with pytest.raises(PlanError, match=r"2 x 1.0 GB.*can only get 1.0 MB.*lower batch_size"):
+        decide(20 * GB, gpu(total=2 * GB, free=VRAM_MARGIN_BYTES + (4 << 20)), cfg(strategy="chunked",
+                                                                                  batch_nbytes=GB))
+    with pytest.raises(PlanError, match="needs a stored dataset"):
+        decide(None, gpu(), cfg(strategy="chunked"))
+    with pytest.raises(PlanError, match="strategy must be one of"):
+        decide(GB, gpu(), cfg(strategy="gpu"))
+    forced = decide(GB, gpu(), cfg(strategy="chunked"))
+    assert forced.strategy == "chunked" and forced.reasons["strategy"].startswith("forced")
+
+
+def test_block_mode_when_the_store_exceeds_available_ram():
+    r = Resources(8, 16, 64 * GB, 32 * GB, "cuda", 16 * GB, 16 * GB, GB, 1)
+    assert decide(31 * GB, r, cfg()).chunk_mode == "global"
+    plan = decide(33 * GB, r, cfg())
+    assert plan.strategy == "chunked" and plan.chunk_mode == "block"
+    assert "exceeds the 32.0 GB of RAM available" in plan.reasons["chunk_mode"]
+
+
+def test_fall_back_lowers_one_level_keeps_the_numbers():
+    c = cfg()
+    plan = decide(5 * GB, gpu(total=16 * GB), c)
+    assert plan.strategy == "device" and plan.chunk_bytes > 0
+    chunked = fall_back(plan, "chunked", "out of memory (needs 5.0 GB)", c)
+    assert chunked.strategy == "chunked" and chunked.chunk_bytes == plan.chunk_bytes
+    assert chunked.reasons["fallback"] == "out of memory (needs 5.0 GB)"
+    assert "fits the budget" in chunked.reasons["planned (device)"]
+    workers = fall_back(chunked, "workers", "out of memory again", c)
+    assert workers.strategy == "workers" and workers.num_workers == 15 and workers.chunk_bytes == 0
+    with pytest.raises(ValueError, match="cannot fall back"):
+        fall_back(workers, "device", "x", c)
+
+
+@pytest.mark.parametrize("ram_total, expected", [(10**6, "chunked"), (10**9, "device")])
+def test_datamodule_plan_uses_the_probe_and_prints_reasons_with_sizes(cache_dir, monkeypatch, ram_total, expected):
+    # On a CPU run the "device" is RAM: inject a small or a large one through the probe.
+    res = Resources(2, 2, ram_total, ram_total, "cpu", ram_total, ram_total, 10**9, 1)
+    monkeypatch.setattr(dm_module, "probe_resources", lambda device, local_world_size=1: res)
+    dm = TinyDataModule(n=4000, batch_size=100, cache_dir=str(cache_dir), device="cpu")  # 776 KB store
+    dm.setup("fit")
+    text = str(dm.plan)
+    assert dm.plan.strategy == expected
+    assert text.startswith(f"strategy: {expected}")
+    assert re.search(r"store \d+\.\d [KM]B", text) and "60% of" in text
+    if expected == "chunked":
+        assert "chunk_bytes: " in text and set(dm._chunks) == {"train", "val"}
+        assert type(dm.train_dataloader()).__name__ == "ChunkedLoader"
+    else:
+        assert set(dm._placed) == {"train", "val"}

@@ -1,0 +1,377 @@
+"""Worker seeding: distinct streams per (rank, worker, epoch), reproducible, chained, per epoch."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    get_worker_info,
+)
+
+from lightning_fastdata import seeding as S
+
+# Four workers on a two-core machine: torch warns; the test wants exactly that many.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+class Draws(Dataset):
+    """Each item: the worker id, then two draws each from torch, numpy and random (float64)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        info = get_worker_info()
+        return torch.tensor(
+            [
+                info.id if info else -1,
+                *torch.rand(2, dtype=torch.float64).tolist(),
+                *np.random.rand(2).tolist(),
+                random.random(),
+                random.random(),
+            ],
+            dtype=torch.float64,
+        )
+
+
+class IterDraws(IterableDataset):
+    def __iter__(self):
+        yield torch.tensor(
+            [get_worker_info().id, torch.rand(1).item(), np.random.rand(), random.random()]
+        )
+
+
+def _loader(dataset, workers: int, persistent: bool, **kw) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=1,
+        shuffle=False,
+        num_workers=workers,
+        persistent_workers=persistent,
+        multiprocessing_context="fork",
+        **kw,
+    )
+
+
+def _epoch_by_worker(dl: DataLoader) -> dict[int, torch.Tensor]:
+    out = {}
+    for batch in dl:
+        for row in batch:
+            out.setdefault(int(row[0]), row[1:])
+    return out
+
+
+def _grid(ranks: int = 4, workers: int = 4, epochs: int = 3, seed: int = 7) -> torch.Tensor:
+    """(rank, worker, epoch, draw) from persistent workers; the epoch reaches them via set_epoch."""
+    grid = torch.zeros(ranks, workers, epochs, 6, dtype=torch.float64)
+    for r in range(ranks):
+        dl = _loader(Draws(workers), workers, persistent=True)
+        assert S.install_worker_seeding(dl, seed=seed, rank=r)
+        for e in range(epochs):
+            assert S.set_worker_epoch(dl, e)
+            by_worker = _epoch_by_worker(dl)
+            assert sorted(by_worker) == list(range(workers))
+            for w, row in by_worker.items():
+                grid[r, w, e] = row
+        del dl  # shuts the persistent workers down
+    return grid
+
+
+def test_rank_worker_epoch_grid_is_distinct_and_reproducible():
+    grid = _grid()
+    for lib, cols in (("torch", slice(0, 2)), ("numpy", slice(2, 4)), ("random", slice(4, 6))):
+        cells = {tuple(v.tolist()) for v in grid[..., cols].reshape(-1, 2)}
+        assert len(cells) == 4 * 4 * 3, f"{lib}: only {len(cells)} distinct cells of 48"
+    assert torch.equal(grid, _grid()), "a rerun drew different numbers"
+
+
+def test_non_persistent_workers_reseed_per_epoch_and_reproduce():
+    def run() -> torch.Tensor:
+        dl = _loader(Draws(2), 2, persistent=False)
+        S.install_worker_seeding(dl, seed=3, rank=1)
+        rows = []
+        for e in range(2):
+            S.set_worker_epoch(dl, e)
+            rows.append(torch.stack([v for _, v in sorted(_epoch_by_worker(dl).items())]))
+        return torch.stack(rows)
+
+    a = run()
+    assert not torch.isin(a[0], a[1]).any(), "epoch 2 repeated draws of epoch 1"
+    assert torch.equal(a, run())
+
+
+def test_persistent_iterable_workers_draw_differently_each_epoch():
+    dl = _loader(IterDraws(), 2, persistent=True)
+    S.install_worker_seeding(dl, seed=0, rank=0)
+    epochs = []
+    for e in range(2):
+        S.set_worker_epoch(dl, e)
+        epochs.append(torch.cat([b for b in dl]))
+    assert not torch.isin(epochs[0][:, 1:].contiguous(), epochs[1][:, 1:].contiguous()).any()
+
+
+def test_without_an_epoch_workers_still_differ_per_epoch():
+    # Nobody calls set_epoch: the fallback mixes in torch's per-iteration base seed.
+    dl = _loader(Draws(2), 2, persistent=False)
+    assert S.install_worker_seeding(dl, seed=3, rank=0)
+    torch.manual_seed(0)
+    a, b = _epoch_by_worker(dl), _epoch_by_worker(dl)
+    assert not torch.isin(a[0], b[0]).any()
+
+
+_USER_CALLS: list[int] = []
+
+
+def _user_fn(worker_id: int) -> None:
+    # Runs in the worker after the package's seeding: record the first random draw.
+    os.environ["LFD_TEST_USER_DRAW"] = repr(random.random())
+
+
+class UserDraw(Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(
+            [get_worker_info().id, float(os.environ.get("LFD_TEST_USER_DRAW", "nan"))],
+            dtype=torch.float64,
+        )
+
+
+def test_user_worker_init_fn_still_runs_after_the_seeding():
+    dl = _loader(UserDraw(), 2, persistent=False, worker_init_fn=_user_fn)
+    assert S.install_worker_seeding(dl, seed=5, rank=2)
+    assert dl.worker_init_fn.user_fn is _user_fn
+    S.set_worker_epoch(dl, 4)
+    rows = torch.cat(list(dl))
+    seeding = dl.worker_init_fn
+    for wid, value in rows.tolist():
+        S.seed_libraries(seeding.worker_seed(int(wid), 4))
+        assert value == random.random(), (
+            "the user's function did not run, or ran before the seeding"
+        )
+
+
+def test_install_only_where_useful_and_only_once():
+    assert not S.install_worker_seeding(DataLoader(Draws(2), num_workers=0), 0, 0)
+    assert not S.install_worker_seeding([1, 2, 3], 0, 0)
+    dl = DataLoader(Draws(2), num_workers=2)
+    assert S.install_worker_seeding(dl, 0, 0)
+    assert not S.install_worker_seeding(dl, 0, 0)
+    assert not S.set_worker_epoch(DataLoader(Draws(2)), 1)
+
+
+def test_seeding_follows_a_distributed_sampler():
+    ds = Draws(8)
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    dl = DataLoader(ds, sampler=sampler, num_workers=1)
+    S.install_worker_seeding(dl, seed=0, rank=1)
+    sampler.set_epoch(6)  # what Lightning does every epoch
+    assert dl.worker_init_fn.epoch == 6 and sampler.epoch == 6
+
+
+def test_seeding_rejects_bad_values():
+    with pytest.raises(ValueError, match="seed"):
+        S.WorkerSeeding(-1)
+    with pytest.raises(ValueError, match="rank"):
+        S.WorkerSeeding(0, rank=-2)
+    with pytest.raises(ValueError, match="epoch"):
+        S.WorkerSeeding(0).set_epoch(-1)
+    with pytest.raises(TypeError, match="set_epoch"):
+        S.WorkerSeeding(0).follow(object())
+
+
+class HoldsRng(Dataset):
+    def __init__(self) -> None:
+        self.transform = [lambda x: x, np.random.default_rng(0)]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_randomness_repeats_names_the_cause(monkeypatch):
+    assert S.randomness_repeats(DataLoader(HoldsRng(), num_workers=0)) is None
+    reason = S.randomness_repeats(DataLoader(HoldsRng(), num_workers=2))
+    assert reason and "dataset.transform[1]" in reason
+    dl = DataLoader(Draws(4), num_workers=2)
+    assert S.randomness_repeats(dl) is None
+    from lightning_fastdata import distributed as D
+
+    monkeypatch.setattr(D, "world_size", lambda: 2)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "42")
+    reason = S.randomness_repeats(dl)
+    assert reason and "rank" in reason
+    S.install_worker_seeding(dl, seed=42, rank=1)
+    assert S.randomness_repeats(dl) is None
+
+
+def test_derive_seed_streams_are_distinct_and_stable():
+    keys = [(r, w, e) for r in range(4) for w in range(4) for e in range(4)]
+    seeds = {S.derive_seed(1, stream="worker", rank=r, worker=w, epoch=e) for r, w, e in keys}
+    assert len(seeds) == len(keys)
+    assert S.derive_seed(1, rank=1) == S.derive_seed(1, rank=1) != S.derive_seed(2, rank=1)
+
+
+# ----------------------------------------------------------------------------- the datamodule
+
+
+class RandomSource(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return torch.tensor([torch.rand(1).item(), np.random.rand(), random.random()]), i
+
+
+def _datamodule_epochs(tmp_path: Path) -> list[torch.Tensor]:
+    from _helpers import TinyDataModule
+
+    class DM(TinyDataModule):
+        def source(self, split):
+            return RandomSource() if split == "train" else None
+
+    dm = DM(
+        store=False,
+        strategy="workers",
+        num_workers=2,
+        persistent_workers=True,
+        batch_size=2,
+        seed=9,
+        shuffle=False,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert isinstance(loader.dataloader.worker_init_fn, S.WorkerSeeding)
+    assert loader.dataloader.persistent_workers
+    out = []
+    for e in range(2):
+        loader.sampler.set_epoch(e)  # as Lightning does
+        out.append(torch.cat([x for x, _ in loader]))
+    # Shut the persistent workers down now, so they remove their temporary files within the test.
+    loader.close()
+    return out
+
+
+def test_datamodule_worker_loader_seeds_per_epoch(tmp_path):
+    a = _datamodule_epochs(tmp_path)
+    assert not torch.isin(a[0], a[1]).any(), "persistent workers repeated epoch 1 in epoch 2"
+    assert all(torch.equal(x, y) for x, y in zip(a, _datamodule_epochs(tmp_path), strict=True))
+
+
+# ----------------------------------------------------------------------------- DDP, device strategy
+
+_DDP_SCRIPT = textwrap.dedent('''
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from _helpers import TinyDataModule, TinyModel, trainer
+    from lightning_fastdata import augment as A
+
+    class Same(torch.utils.data.Dataset):
+        """Every sample is the same image: differences come from the augmentation only."""
+        def __len__(self): return 16
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(0)
+            return torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8, generator=g), 0
+
+    class DM(TinyDataModule):
+        def source(self, split):
+            return Same() if split == "train" else None
+
+    aug = A.Compose([A.RandomResizedCrop(12), A.RandomHorizontalFlip(),
+                     A.ColorJitter(0.4, 0.4, 0.4),
+                     A.Normalize([0.5] * 3, [0.25] * 3)])
+    dm = DM(strategy="device", device="cpu", batch_size=4, seed=11, train_augment=aug,
+            cache_dir={cache!r})
+    model = TinyModel(in_features=3 * 12 * 12, classes=4, record=True)
+    t = trainer({root!r}, devices=2, strategy="ddp", max_epochs=2, num_sanity_val_steps=0)
+    t.fit(model, dm)
+    torch.save(torch.stack([x for x, _ in model.seen]), {out!r}.format(t.global_rank))
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_run(tmp_path: Path, tag: str) -> list[torch.Tensor]:
+    out = str(tmp_path / f"{tag}-rank{{}}.pt")
+    script = tmp_path / f"{tag}.py"
+    script.write_text(
+        _DDP_SCRIPT.format(
+            tests=str(Path(__file__).parent),
+            cache=str(tmp_path / f"cache-{tag}"),
+            root=str(tmp_path / tag),
+            out=out,
+        )
+    )
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            NODE_RANK="0",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    for p, log in zip(procs, logs, strict=False):
+        assert p.returncode == 0, log[-3000:]
+    return [torch.load(out.format(r)) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_augment_differently_and_reproducibly(tmp_path):
+    first = _ddp_run(tmp_path, "a")
+    r0, r1 = first
+    assert r0.shape == r1.shape == (4, 4, 3, 12, 12)  # 2 epochs x 2 batches per rank
+    for b in range(r0.shape[0]):
+        for i in range(r0.shape[1]):
+            assert not torch.equal(r0[b, i], r1[b, i]), (
+                f"ranks augmented batch {b} sample {i} identically"
+            )
+    assert not torch.equal(r0[:2], r0[2:]), "epoch 2 repeated epoch 1"
+    second = _ddp_run(tmp_path, "b")
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
