@@ -129,6 +129,8 @@ def _window_crop(x: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, th: int, t
     py, px = padding
     hp, wp = h + 2 * py, w + 2 * px
     dev = x.device
+    if n == 0:
+        return x.new_empty((0, *mid, th, tw))
     src_n, fidx = n, None
     if flip is not None:
         if dev.type == "cpu":
@@ -194,7 +196,7 @@ class RandomHorizontalFlip(BatchTransform):
         flip = self.draw(x.shape[0], x.device, generator)
         if x.device.type != "cpu":
             # No host sync (nonzero would wait for the GPU); a mirrored pass is cheap there.
-            return torch.where(flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)
+            return _keep_format(torch.where(flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x), x)
         # Mirror only the flipped samples, then pick each sample's version with one
         # whole-sample index_select (a memcpy per sample; index_copy_/index_put_ are
         # per-element on the CPU and 5x slower).

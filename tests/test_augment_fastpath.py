@@ -134,3 +134,10 @@ def test_wide_images_border_fill_matches_pad(padding):
         oy, ox = crop.draw(x, g)
         mask = A.RandomHorizontalFlip().draw(3, x.device, g)
         assert torch.equal(out, _reference_crop(x, oy, ox, (5, 68), padding, fill, mask))
+
+
+def test_empty_batch_keeps_shape():
+    x = torch.empty((0, 3, 8, 8), dtype=torch.uint8)
+    aug = A.Compose([A.RandomCrop(6, padding=2), A.RandomHorizontalFlip()])
+    assert aug(x, torch.Generator().manual_seed(0)).shape == (0, 3, 6, 6)
+    assert A.RandomHorizontalFlip()(x, torch.Generator().manual_seed(0)).shape == (0, 3, 8, 8)
