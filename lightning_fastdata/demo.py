@@ -45,6 +45,7 @@ from lightning_fastdata import augment as A
 from lightning_fastdata.callbacks import FastDataCallback
 from lightning_fastdata.datamodule import OptimizedDataModule
 from lightning_fastdata.profiler import DataWaitProfiler
+from lightning_fastdata.store import pid_alive
 
 CLASSES = (
     "circle",
@@ -172,16 +173,6 @@ def is_complete(path: Path, train_per_class: int, val_per_class: int, seed: int 
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep(data_dir: Path) -> None:
     """Remove temporaries that a killed writer left (their pid is in the name and is dead)."""
     for tmp in data_dir.glob(f"{_TMP_PREFIX}shapes32-*"):
@@ -189,7 +180,7 @@ def _sweep(data_dir: Path) -> None:
             pid = int(tmp.name.rsplit("-", 2)[-2])
         except (ValueError, IndexError):
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(tmp, ignore_errors=True)
 
 

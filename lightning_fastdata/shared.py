@@ -36,7 +36,7 @@ import numpy as np
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata.plan import fmt_bytes
-from lightning_fastdata.store import Store
+from lightning_fastdata.store import Store, pid_alive
 
 #: Where segments live (a tmpfs on Linux).
 SHM_DIR = Path("/dev/shm")
@@ -113,13 +113,8 @@ def _start_time(pid: int) -> int:
 
 
 def _alive(pid: int, start: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not start or _start_time(pid) in (0, start)
+    """Alive and the same process: a reused pid has another start time."""
+    return pid_alive(pid) and (not start or _start_time(pid) in (0, start))
 
 
 # --------------------------------------------------------------------------- layout

@@ -359,7 +359,8 @@ def open_store(path: str | os.PathLike, verify: bool = True, expect_fingerprint:
     return Store(fields, infos, manifest["spec"], manifest["fingerprint"], path, manifest)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -378,7 +379,7 @@ def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Pat
         dead = False
         if len(parts) >= 3 and parts[1] == host:
             with contextlib.suppress(ValueError):
-                dead = not _pid_alive(int(parts[2]))
+                dead = not pid_alive(int(parts[2]))
         with contextlib.suppress(OSError):
             dead = dead or time.time() - os.lstat(p).st_mtime > max_age_s
         if dead and p.is_dir() and not p.is_symlink():
