@@ -237,7 +237,7 @@ def run_plan(dm: OptimizedDataModule, device: torch.device, local_world_size: in
     print("\n## plan", file=out)
     rows = [("strategy", plan.strategy), ("num_workers", plan.num_workers), ("pin_memory", plan.pin_memory),
             ("prefetch_factor", plan.prefetch_factor), ("persistent_workers", plan.persistent_workers)]
-    if plan.chunk_bytes:
+    if plan.strategy == "chunked":
         rows.append(("chunk_bytes", fmt_bytes(plan.chunk_bytes)))
     for key, value in rows:
         why = plan.reasons.get(key, "")
