@@ -522,7 +522,7 @@ def share_stores(
     fps = {s: stores[s].fingerprint for s in splits}
 
     # 1. Every rank must hold the same data: compare fingerprints before touching memory.
-    mine = {"fps": fps, "local_rank": local_rank, "pid": os.getpid()}
+    mine = {"fps": fps, "local_rank": local_rank, "local_world_size": local_world_size, "pid": os.getpid()}
     everyone = D.all_gather_object(mine)
     for r, other in enumerate(everyone):
         if other["fps"] != fps:
@@ -534,12 +534,17 @@ def share_stores(
                         f"{(a or 'none')[:16]} and {(b or 'none')[:16]}; every rank must build the "
                         "store from the same source, static_transform and cache_key"
                     )
+    # Every rank checks every rank's placement, so a bad launcher setting fails all ranks
+    # with the same message instead of leaving the good ones waiting in a collective.
+    for r, other in enumerate(everyone):
+        lr, lws = other["local_rank"], other.get("local_world_size", local_world_size)
+        lead, mem = _node_ranks(r, lr, lws)
+        if lead < 0 or mem[-1] >= len(everyone) or everyone[lead]["local_rank"] != 0:
+            raise SharedMemoryError(
+                f"rank {r} has local rank {lr} of {lws}, which does not match the ranks the launcher "
+                "started; set LOCAL_RANK and LOCAL_WORLD_SIZE consistently"
+            )
     leader, members = _node_ranks(rank, local_rank, local_world_size)
-    if leader < 0 or members[-1] >= len(everyone) or everyone[leader]["local_rank"] != 0:
-        raise SharedMemoryError(
-            f"rank {rank} has local rank {local_rank} of {local_world_size}, which does not match the "
-            "ranks the launcher started; set LOCAL_RANK and LOCAL_WORLD_SIZE consistently"
-        )
     layouts = {s: _layout(stores[s]) for s in splits}
     sizes = {s: _segment_size(layouts[s]) for s in splits}
     total = sum(sizes.values())

@@ -101,6 +101,10 @@ def _gloo_rank(out: Path) -> None:
         share_stores({"train": Store.from_arrays((data,), fingerprint=f"{rank}" * 64)})
     except SharedMemoryError as e:
         result["error"] = str(e)
+    try:  # a launcher that says every rank is local rank 0 of 2: every rank must be told
+        share_stores({"train": Store.from_arrays((data,), fingerprint="e" * 64)}, local_rank=0, local_world_size=2)
+    except SharedMemoryError as e:
+        result["launcher_error"] = str(e)
     store = Store.from_arrays((data,), fingerprint="e" * 64)
     share_stores({"train": store})
     result["crc"] = zlib.crc32(store.fields[0].tobytes())

@@ -119,6 +119,7 @@ def test_gloo_fingerprints_differ_then_attaching_rank_exits_first(tmp_path):
     for r in (r0, r1):  # every rank gets the error, naming both fingerprints
         assert "0000000000000000" in r["error"] and "1111111111111111" in r["error"] and "'train'" in r["error"]
         assert not r["tracker_started"]
+        assert "rank 1 has local rank 0 of 2" in r["launcher_error"]  # both ranks fail alike, none hangs
     # The attaching rank exited first: the leader still reads its data, no tracker, no warning.
     assert r0["crc"] == r1["crc"] == r0["crc_after_peer_exit"]
     assert "leaked" not in job.log() and "resource_tracker" not in job.log()
