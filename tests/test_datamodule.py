@@ -148,3 +148,9 @@ def test_persistent_workers_stop_at_teardown(tmp_path):
     while (left := {p.pid for p in psutil.Process().children(recursive=True)} - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left
+
+
+def test_setup_without_prepare_data_builds_the_cache(cache_dir):
+    dm = TinyDataModule(n=12, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False)
+    dm.setup("fit")  # e.g. a rank whose leader has not built it: no waiting, build it here
+    assert len(dm.stores["train"]) == 12 and len(list(dm.train_dataloader())) == 3

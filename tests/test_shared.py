@@ -285,3 +285,21 @@ def test_datamodule_too_small_auto_falls_back_on_raises(cache_dir, monkeypatch):
     with warnings.catch_warnings(), pytest.raises(SharedMemoryError, match="--shm-size"):
         dm2.setup("fit")
     assert _shm_names() == set()
+
+
+def test_many_fields_one_segment_and_a_constant_number_of_fds():
+    def share(n_fields: int) -> int:
+        fields = {f"f{i}": np.full((32, 16), i, dtype=np.int32) for i in range(n_fields)}
+        stores = {split: Store.from_arrays(dict(fields), fingerprint="d" * 64) for split in ("train", "val")}
+        gc.collect()  # the previous call's mappings go first
+        before = len(os.listdir("/proc/self/fd"))
+        segs = share_stores(stores)
+        opened = len(os.listdir("/proc/self/fd")) - before
+        assert len(segs) == 2 and len(_mapped_segments()) == 2  # one segment per split, not per field
+        assert all(np.array_equal(stores["train"].fields[i], fields[f"f{i}"]) for i in range(n_fields))
+        for split, seg in segs.items():
+            seg.release(stores[split])
+        return opened
+
+    few, many = share(2), share(40)
+    assert few == many <= 2 * 2  # not growing with the fields: per segment, one descriptor + the mapping's

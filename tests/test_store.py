@@ -96,3 +96,90 @@ def test_from_arrays_and_open_store(cache_dir):
     built = build_store(CountingDataset(6), lambda s: s, cache_dir, progress=False)
     again = open_store(built.path)
     assert again.fingerprint == built.fingerprint
+
+
+_BUILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from _helpers import CountingDataset
+from lightning_fastdata.store import build_store
+
+def slow(s):
+    time.sleep({delay})
+    return s
+
+print(build_store(CountingDataset({n}), slow, {cache!r}, progress=False, num_workers=0).fingerprint, flush=True)
+"""
+
+
+def _builder(cache_dir, n=40, delay=0.0):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _BUILD.format(tests=str(Path(__file__).parent), delay=delay, n=n, cache=str(cache_dir))
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_writer_killed_mid_write_leaves_no_cache_and_is_swept(cache_dir):
+    import signal
+    import time
+
+    proc = _builder(cache_dir, n=200, delay=0.02)
+    deadline = time.monotonic() + 60
+    while not list(cache_dir.glob(".tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # mid-write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    proc.stderr.close()
+    assert list(cache_dir.glob(".tmp-*")) and not list(cache_dir.glob("train-*"))
+    store = build_store(CountingDataset(200), lambda s: s, cache_dir, progress=False)  # sweeps, rebuilds
+    assert not list(cache_dir.glob(".tmp-*")) and len(store) == 200
+
+
+def test_two_writers_at_once_publish_one_complete_cache(cache_dir):
+    procs = [_builder(cache_dir, n=60, delay=0.002) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(out.strip())
+    assert outs[0] == outs[1]
+    assert [p.name for p in cache_dir.iterdir()] == [f"train-{outs[0][:16]}"]
+    s = open_store(cache_dir / f"train-{outs[0][:16]}", verify=True)
+    assert np.array_equal(s.fields[0][59], CountingDataset(60)[59][0].numpy())
+
+
+def test_symlinks_are_refused(cache_dir, tmp_path):
+    from lightning_fastdata.store import CacheInvalidError, fingerprint, store_dir
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    with pytest.raises(StoreError, match="symbolic link"):
+        build_store(CountingDataset(4), lambda s: s, link, progress=False)
+    cache_dir.mkdir()
+    fp = fingerprint(CountingDataset(4), lambda s: s)[0]
+    store_dir(cache_dir, "train", fp).symlink_to(elsewhere)
+    with pytest.raises(CacheInvalidError, match="symbolic link"):
+        build_store(CountingDataset(4), lambda s: s, cache_dir, progress=False)
+    assert not list(elsewhere.iterdir())  # nothing written through the link
+
+
+def test_old_format_version_is_rejected_then_rebuilt(cache_dir):
+    from lightning_fastdata.store import _manifest_crc
+
+    s = build_store(CountingDataset(8), lambda s: s, cache_dir, progress=False)
+    m = s.path / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["version"] = 0
+    doc["manifest_crc32"] = _manifest_crc(doc)
+    m.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="format version 0, this release reads version 1"):
+        s2 = build_store(CountingDataset(8), lambda s: s, cache_dir, progress=False)
+    assert json.loads((s2.path / "manifest.json").read_text())["version"] == 1
