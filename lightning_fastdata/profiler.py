@@ -48,6 +48,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_fastdata import distributed as D
 from lightning_fastdata.plan import fmt_bytes
 
+_NAN = math.nan
 # Columns of a per-step row.
 STEP, WAIT, FETCH, TRANSFER, COMPUTE, OVERHEAD, IDLE, SAMPLES = range(8)
 _FIGURES = (("step", STEP), ("data_wait", WAIT), ("compute", COMPUTE), ("overhead", OVERHEAD))
@@ -83,7 +84,8 @@ class _Stage:
 
     def new_epoch(self, now: float | None) -> None:
         self.rows = []
-        self.wait = self.fetch = self.transfer = self.wait_at_start = 0.0
+        # The data wait of the step so far is fetch + transfer (kept apart, added once at step end).
+        self.fetch = self.transfer = self.wait_at_start = 0.0
         self.prev_end = self.epoch_start = now
         self.start: float | None = None
         self.start_event: Any = None
@@ -192,7 +194,6 @@ class DataWaitProfiler(Callback):
             now = self.clock()
             stage = self._active
             if stage is not None:
-                stage.wait += now - self._fetch_t0
                 stage.fetch += now - self._fetch_t0
             self._fetch_end = now
             original()
@@ -209,9 +210,7 @@ class DataWaitProfiler(Callback):
             self._fetch_end = None
             stage = self._active
             if stage is not None:
-                dt = self.clock() - t0
-                stage.wait += dt
-                stage.transfer += dt
+                stage.transfer += self.clock() - t0
             return out
         return transfer
 
@@ -231,9 +230,15 @@ class DataWaitProfiler(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._active is not self._train:
+        stage = self._train
+        if self._active is not stage:
             return
-        self._begin(self._train)
+        # _begin, inlined: this runs every step, where each Python call and attribute read counts.
+        stage.start = self.clock()
+        stage.wait_at_start = stage.fetch + stage.transfer
+        if self._cuda:
+            stage.start_event = torch.cuda.Event(enable_timing=True)
+            stage.start_event.record()
         if self.replay_steps and len(self._captured) < self.replay_batches:
             self._captured.append(batch)
 
@@ -306,7 +311,7 @@ class DataWaitProfiler(Callback):
 
     def _begin(self, stage: _Stage) -> None:
         stage.start = self.clock()
-        stage.wait_at_start = stage.wait
+        stage.wait_at_start = stage.fetch + stage.transfer
         if self._cuda:
             stage.start_event = torch.cuda.Event(enable_timing=True)
             stage.start_event.record()
@@ -315,13 +320,17 @@ class DataWaitProfiler(Callback):
         now = self.clock()
         if stage.start is None or stage.prev_end is None:
             return
-        wait = stage.wait
+        fetch, transfer = stage.fetch, stage.transfer
+        wait = fetch + transfer
         step = now - stage.prev_end
-        n = _batch_len(batch)
+        # _batch_len's common case inlined (a list or tuple of tensors): this runs every step.
+        first = batch[0] if (type(batch) is list or type(batch) is tuple) and batch else None
+        shape = first.shape if type(first) is torch.Tensor else None
+        n = shape[0] if shape else _batch_len(batch)
         if self._cuda:
             end_event = torch.cuda.Event(enable_timing=True)
             end_event.record()
-            row = [step, wait, stage.fetch, stage.transfer, math.nan, math.nan, math.nan, n]
+            row = [step, wait, fetch, transfer, math.nan, math.nan, math.nan, n]
             stage.pending.append((row, stage.start_event, end_event, stage.prev_event))
             stage.prev_event = end_event
             stage.rows.append(row)
@@ -329,11 +338,10 @@ class DataWaitProfiler(Callback):
         else:
             compute = now - stage.start - (wait - stage.wait_at_start)
             # A tuple: cheaper to build than a list, and the collector stops tracking it.
-            stage.rows.append((step, wait, stage.fetch, stage.transfer, compute, step - wait - compute,
-                               math.nan, n))
+            stage.rows.append((step, wait, fetch, transfer, compute, step - wait - compute, _NAN, n))
             stage.resolved += 1
         stage.samples += n
-        stage.wait = stage.fetch = stage.transfer = 0.0
+        stage.fetch = stage.transfer = 0.0
         stage.prev_end = now
         stage.start = None
 
@@ -360,9 +368,9 @@ class DataWaitProfiler(Callback):
     def _log_interval(self, trainer: L.Trainer, stage: _Stage) -> None:
         rows = stage.rows[stage.logged:stage.resolved]
         stage.logged = stage.resolved
-        cols = (STEP, WAIT, COMPUTE, OVERHEAD, IDLE)
-        # Plain sums: a few dozen rows, where numpy's call overhead would dominate.
-        means = [sum(r[c] for r in rows) / len(rows) if rows else 0.0 for c in cols]
+        # Plain sums over the transposed rows: a few dozen rows, where numpy's call overhead would dominate.
+        columns = list(zip(*rows, strict=True)) if rows else []
+        means = [sum(columns[c]) / len(rows) if rows else 0.0 for c in (STEP, WAIT, COMPUTE, OVERHEAD, IDLE)]
         means = [0.0 if math.isnan(v) else v for v in means]
         # One collective per logging interval: the slowest rank's figures gate the step.
         count, step, wait, compute, overhead, idle = D.all_reduce_max_list([len(rows), *means])
@@ -686,8 +694,12 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 
 def _batch_len(batch: Any) -> int:
-    if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
-        return batch[0].shape[0]  # the common case, fast: this runs every step
+    if type(batch) in (tuple, list) and batch:  # the common case, fast: this runs every step
+        first = batch[0]
+        if isinstance(first, torch.Tensor):
+            shape = first.shape
+            if shape:
+                return shape[0]
     node = batch
     while isinstance(node, (tuple, list, dict)):
         if not node:
