@@ -4,8 +4,12 @@ Each repeat trains the same tiny model for ``--steps`` steps three times: with o
 timing callback, with a no-op ``Callback`` added (what Lightning's hook dispatch costs
 any callback), and with ``FastDataCallback`` added (the arm order rotates between
 repeats), on an in-memory dataset so that the step is as short as Lightning allows: the
-worst case for a per-step profiler. The figure is the median over repeats of the
-per-step median of each arm; the overhead is their relative difference. Writes JSON to
+worst case for a per-step profiler. The headline figure is the median over repeats of
+the per-step median of each arm; the overhead is their relative difference, as a share
+of the step time without the callback. The mean step (every step, the logging-interval
+ones included) is reported too, as are two figures free of the shared machine's noise:
+the callback's own code per step in a tight loop (``hot_path``) and what Lightning's
+dispatch of one hook to one callback costs (``dispatch``). Writes JSON to
 ``benchmarks/results/callback_overhead.json``.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/callback_overhead.py --steps 400 --repeats 9
@@ -79,11 +83,17 @@ class StepTimer(L.Callback):
     def step_s(self) -> float:
         return statistics.median(b - a for a, b in zip(self.ends, self.ends[1:], strict=False))
 
+    @property
+    def mean_step_s(self) -> float:
+        """Every step counted, the logging-interval ones included (amortised per-interval work)."""
+        return (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1)
+
 
 ARMS = ("without", "noop_callback", "fastdata")
 
 
-def run(steps: int, arm: str, root: str, kind: str = "linear") -> float:
+def run(steps: int, arm: str, root: str, kind: str = "linear") -> tuple[float, float]:
+    """One fit of ``steps`` steps: (median step, mean step) in seconds."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(steps * 64, *SHAPES[kind], generator=g),
                          torch.randint(0, 10, (steps * 64,), generator=g))
@@ -94,20 +104,27 @@ def run(steps: int, arm: str, root: str, kind: str = "linear") -> float:
                         callbacks=[*callbacks, timer], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=root)
     trainer.fit(Tiny(kind), DataLoader(data, batch_size=64, shuffle=True))
-    return timer.step_s
+    return timer.step_s, timer.mean_step_s
 
 
 def measure(kind: str, steps: int, repeats: int, root: str) -> dict:
     """Median per-step time of each arm over ``repeats`` rotated repeats."""
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    means: dict[str, list[float]] = {arm: [] for arm in ARMS}
     run(max(20, steps // 4), "fastdata", root, kind)  # warm-up: imports, allocator, first-call costs
     for r in range(repeats):
         order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]  # rotate, so no arm always runs first
         for arm in order:
-            times[arm].append(run(steps, arm, root, kind))
+            median_s, mean_s = run(steps, arm, root, kind)
+            times[arm].append(median_s)
+            means[arm].append(mean_s)
     base, noop, prof = (statistics.median(times[a]) for a in ARMS)
-    # Paired differences (same repeat) cancel slow drifts of a shared machine better than two medians.
-    paired = statistics.median((b - a) / a for a, b in zip(times["without"], times["fastdata"], strict=True))
+    mean_base, mean_noop, mean_prof = (statistics.median(means[a]) for a in ARMS)
+
+    def paired(runs: dict[str, list[float]], arm: str) -> float:
+        # Paired differences (same repeat) cancel slow drifts of a shared machine better than two medians.
+        return statistics.median((b - a) / a for a, b in zip(runs["without"], runs[arm], strict=True))
+
     return {
         "steps": steps,
         "repeats": repeats,
@@ -115,12 +132,49 @@ def measure(kind: str, steps: int, repeats: int, root: str) -> dict:
         "step_ms_noop_callback": 1e3 * noop,
         "step_ms_with": 1e3 * prof,
         "overhead_frac": (prof - base) / base,
-        "overhead_frac_paired_median": paired,
+        "overhead_frac_paired_median": paired(times, "fastdata"),
         "overhead_us_per_step": 1e6 * (prof - base),
         "lightning_dispatch_frac": (noop - base) / base,
+        "lightning_dispatch_frac_paired_median": paired(times, "noop_callback"),
         "overhead_vs_noop_callback_frac": (prof - noop) / noop,
+        "mean_step_ms_without": 1e3 * mean_base,
+        "mean_step_ms_noop_callback": 1e3 * mean_noop,
+        "mean_step_ms_with": 1e3 * mean_prof,
+        "mean_overhead_frac": (mean_prof - mean_base) / mean_base,
+        "mean_overhead_frac_paired_median": paired(means, "fastdata"),
         "runs_step_ms": {a: [1e3 * v for v in times[a]] for a in ARMS},
+        "runs_mean_step_ms": {a: [1e3 * v for v in means[a]] for a in ARMS},
     }
+
+
+def dispatch_us(calls: int = 20000, repeats: int = 7) -> dict:
+    """What Lightning's dispatch of one per-step hook costs per callback, and which hooks reach each.
+
+    Times ``_call_callback_hooks`` for ``on_before_zero_grad`` with no callback, with a
+    no-op ``Callback`` and with ``FastDataCallback`` (which keeps the per-step hooks it does
+    not use out of the dispatch), and lists the per-step training hooks each one receives.
+    """
+    from lightning.pytorch.trainer import call
+
+    hooks = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+             "on_before_zero_grad", "on_train_batch_end")
+    out: dict = {"calls": calls, "repeats": repeats}
+    arms = (("none", None), ("noop_callback", L.Callback()), ("fastdata", FastDataCallback(print_report=False)))
+    for name, cb in arms:
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[cb] if cb else [],
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.strategy.connect(Tiny())
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call._call_callback_hooks(trainer, "on_before_zero_grad", None)
+            runs.append((time.perf_counter() - t0) / calls)
+        out[f"{name}_us"] = 1e6 * statistics.median(runs)
+        if cb is not None:
+            out[f"{name}_step_hooks"] = [h for h in hooks if callable(getattr(cb, h))]
+    out["us_per_hook_per_callback"] = out["noop_callback_us"] - out["none_us"]
+    return out
 
 
 def hot_path_us(calls: int = 20000, repeats: int = 7) -> dict:
@@ -184,15 +238,27 @@ def main() -> None:
     hot = result["hot_path"] = hot_path_us()
     print(f"hot path: {hot['added_us_per_step']:.2f} us added per step "
           f"({hot['plain_us']:.2f} -> {hot['wrapped_us']:.2f} us for the calls it touches)")
+    disp = result["dispatch"] = dispatch_us()
+    print(f"Lightning's dispatch: {disp['us_per_hook_per_callback']:.2f} us per hook per callback; per training "
+          f"step a no-op Callback receives {len(disp['noop_callback_step_hooks'])} hooks, FastDataCallback "
+          f"{len(disp['fastdata_step_hooks'])} ({', '.join(disp['fastdata_step_hooks'])})")
     with tempfile.TemporaryDirectory() as root:
         for kind in args.models:
             r = result["models"][kind] = measure(kind, args.steps, args.repeats, root)
             r["hot_path_frac"] = hot["added_us_per_step"] / (1e3 * r["step_ms_without"])
-            print(f"{kind}: step without {r['step_ms_without']:.3f} ms, with a no-op callback "
-                  f"{r['step_ms_noop_callback']:.3f} ms, with FastDataCallback {r['step_ms_with']:.3f} ms: "
-                  f"overhead {100 * r['overhead_frac']:+.2f}% (paired median "
-                  f"{100 * r['overhead_frac_paired_median']:+.2f}%, {r['overhead_us_per_step']:+.1f} us/step); "
-                  f"hot path alone {100 * r['hot_path_frac']:.2f}% of the step")
+            r["dispatch_frac"] = (len(disp["fastdata_step_hooks"]) * disp["us_per_hook_per_callback"]
+                                  / (1e3 * r["step_ms_without"]))
+            n_hooks = len(disp["fastdata_step_hooks"])
+            print(f"{kind}: step {r['step_ms_without']:.3f} ms without, {r['step_ms_with']:.3f} ms with "
+                  f"FastDataCallback: overhead {100 * r['overhead_frac']:+.2f}% of the step "
+                  f"({r['overhead_us_per_step']:+.1f} us; paired median "
+                  f"{100 * r['overhead_frac_paired_median']:+.2f}%; every step counted, logging ones included: "
+                  f"{100 * r['mean_overhead_frac_paired_median']:+.2f}%), median over {r['repeats']} repeats of "
+                  f"{r['steps']} steps")
+            print(f"    for scale: a no-op Callback costs {100 * r['lightning_dispatch_frac']:+.2f}% "
+                  f"(paired {100 * r['lightning_dispatch_frac_paired_median']:+.2f}%; Lightning's hook dispatch); "
+                  f"of FastDataCallback's cost, its own code is {100 * r['hot_path_frac']:.2f}% of the step and "
+                  f"Lightning's dispatch of its {n_hooks} hooks {100 * r['dispatch_frac']:.2f}%")
     result["machine"] = {
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "platform": platform.platform(), "python": platform.python_version(),

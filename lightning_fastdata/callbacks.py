@@ -55,7 +55,8 @@ class FastDataCallback(DataWaitProfiler):
                             ("seed_workers", seed_workers)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
-        self._enabled = profile
+        if not profile:
+            self._disable()
         self.set_epoch, self.log_memory = set_epoch, log_memory
         self.set_epoch_calls: list[tuple[str, int]] = []
         self.memory: list[dict[str, float]] = []

@@ -148,6 +148,9 @@ def test_profile_off_records_and_wraps_nothing(tmp_path):
     assert seen == {"wrapped": False} and trainer.strategy.batch_to_device == orig
     assert cb.report()["steps"] == 0 and cb.report()["verdict"] == "no steps"
     assert len(cb.memory) == 1  # the rest of the callback still runs
+    # Lightning does not even dispatch the per-step timing hooks (not callable: skipped).
+    assert cb.on_train_batch_start is None and cb.on_train_batch_end is None
+    assert cb.on_validation_batch_start is None and cb.on_validation_batch_end is None
 
 
 def test_worker_seeding_hook_runs_before_the_loaders_exist(tmp_path):

@@ -6,6 +6,7 @@ import csv
 import statistics
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from _helpers import trainer as make_trainer
@@ -346,3 +347,38 @@ def test_a_second_profiler_stays_idle_with_a_warning(tmp_path):
     assert first.report()["steps"] == 4 and second.report()["steps"] == 0
     assert "batch_to_device" not in vars(trainer.strategy)
     assert "_on_before_fetch" not in vars(trainer.fit_loop.epoch_loop)
+
+
+class _HookCounter(L.Callback):
+    """Counts the per-step hooks Lightning dispatches to the callbacks after it in the list."""
+
+    def __init__(self, watched) -> None:
+        self.watched = watched
+        self.calls: dict[str, int] = {}
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        for cb in self.watched:
+            for name in ("on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                         "on_before_zero_grad"):
+                self.calls[name] = self.calls.get(name, 0) + callable(getattr(cb, name))
+
+
+def test_unused_per_step_hooks_are_not_dispatched_but_overrides_are(tmp_path):
+    class Overrides(DataWaitProfiler):
+        def __init__(self) -> None:
+            super().__init__(print_report=False)
+            self.zero_grads = 0
+
+        def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+            self.zero_grads += 1
+
+    plain, custom = DataWaitProfiler(print_report=False), Overrides()
+    # Lightning skips a hook attribute that is not callable: the profiler's unused ones are None.
+    assert plain.on_after_backward is None and plain.on_before_zero_grad is None
+    assert callable(custom.on_before_zero_grad) and custom.on_after_backward is None
+    counter = _HookCounter([plain])
+    make_trainer(tmp_path, callbacks=[counter, plain]).fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    assert counter.calls == dict.fromkeys(counter.calls, 0) and counter.calls  # looked at, never callable
+    assert plain.report()["steps"] == 4  # the timing hooks still run
+    make_trainer(tmp_path, callbacks=[custom]).fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    assert custom.zero_grads == 4 and custom.report()["steps"] == 4
