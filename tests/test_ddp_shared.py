@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
-import psutil
 import pytest
+from _jobs import Launch, free_port, shm_names
 from _shared_job import IndexedImages
 
 from lightning_fastdata import shared
@@ -33,69 +30,16 @@ STORE_BYTES = N * 4 * 64 * 64
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shm_names() -> set[str]:
-    return {n for n in os.listdir(shared.SHM_DIR) if n.startswith(shared.prefix())}
-
-
-class Job:
-    """Two ranks of one job in their own process group; logs in ``out``.
-
-    The group is led by an idle anchor process that stays unreaped until :meth:`reap`,
-    so the group id cannot be reused by anyone else while the test signals it.
-    """
+class Job(Launch):
+    """Two ranks of one job (RANK, LOCAL_RANK 0/1 of 2 on this node) in their own process group."""
 
     def __init__(self, out: Path, *args: str) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.out = out
-        port = str(_free_port())
-        # Each job gets its own short TMPDIR (AF_UNIX paths are limited to 107 bytes), removed
-        # by reap(): persistent DataLoader workers stopped at exit leave multiprocessing's
-        # pymp-* directories behind (torch does this with or without shared memory).
-        self.tmp = tempfile.mkdtemp(prefix="lfdj-", dir="/tmp")
-        self.anchor = subprocess.Popen(["sleep", "900"], process_group=0)
-        self.pgid = self.anchor.pid
-        self.procs: list[subprocess.Popen] = []
-        for rank in range(2):
-            env = dict(os.environ, TMPDIR=self.tmp, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                       OMP_NUM_THREADS="1")
-            with open(out / f"rank{rank}.log", "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, JOB, *args], env=env, stdout=log,
-                                                   stderr=subprocess.STDOUT, process_group=self.pgid))
-
-    def wait(self, timeout: float) -> list[int]:
-        """Exit codes of the ranks; raises ``TimeoutExpired`` past ``timeout`` (then call :meth:`reap`)."""
-        deadline = time.monotonic() + timeout
-        return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
-
-    def _members(self) -> list[int]:
-        out = []
-        for p in psutil.process_iter(["pid", "status"]):
-            try:
-                if p.pid != self.pgid and os.getpgid(p.pid) == self.pgid and p.info["status"] != "zombie":
-                    out.append(p.pid)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        return out
-
-    def reap(self, grace: float = 20.0) -> None:
-        """Give the job's processes (workers included) ``grace`` seconds, kill what is left, clean up."""
-        deadline = time.monotonic() + grace
-        while self._members() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        os.killpg(self.pgid, signal.SIGKILL)  # the anchor keeps this group id ours until now
-        for p in (*self.procs, self.anchor):
-            p.wait(timeout=30)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def log(self) -> str:
-        return "\n".join((self.out / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+        port = str(free_port())
+        super().__init__(out, [
+            ([sys.executable, JOB, *args], {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                            "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0", "MASTER_PORT": port})
+            for rank in range(2)
+        ])
 
     def result(self, rank: int) -> dict:
         return json.loads((self.out / f"rank{rank}.json").read_text())
@@ -123,7 +67,7 @@ def test_gloo_fingerprints_differ_then_attaching_rank_exits_first(tmp_path):
     # The attaching rank exited first: the leader still reads its data, no tracker, no warning.
     assert r0["crc"] == r1["crc"] == r0["crc_after_peer_exit"]
     assert "leaked" not in job.log() and "resource_tracker" not in job.log()
-    assert _shm_names() == set()
+    assert shm_names() == set()
 
 
 def _check_fit(job: Job) -> int:
@@ -164,7 +108,7 @@ def test_ddp_fit_one_copy_per_node_and_two_jobs_apart(tmp_path, fit_cache):
         for job in (ok, boom):
             job.reap()
     assert all(c != 0 for c in codes) and "boom in training_step" in boom.log(), (codes, boom.log())
-    assert _shm_names() == set()
+    assert shm_names() == set()
     inode = _check_fit(ok)
     theirs = {m[0] for r in range(2) for m in boom.result(r)["setup_maps"]}
     assert len(theirs) == 1 and inode not in theirs  # separate segments...
@@ -193,4 +137,4 @@ def test_ddp_sigterm_of_the_job_and_sigkill_of_a_rank_mid_epoch(tmp_path, fit_ca
     finally:
         for job in jobs.values():
             job.reap(grace=5)
-    assert _shm_names() == set()
+    assert shm_names() == set()

@@ -11,19 +11,13 @@ must lead and map a segment of its own.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 import zlib
 from pathlib import Path
 
-import psutil
+import _jobs
 import pytest
+from _jobs import free_port, shm_names
 from _shared_job import IndexedImages
 
 from lightning_fastdata import shared
@@ -33,66 +27,11 @@ JOB = str(Path(__file__).parent / "_launcher_job.py")
 N = 1024  # 16 KiB samples: a 16 MiB store
 STORE_BYTES = N * 4 * 64 * 64
 TIMEOUT = 240  # seconds per job, generous for a busy 2-core machine; a job takes ~30 s
-_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID")
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shm_names() -> set[str]:
-    return {n for n in os.listdir(shared.SHM_DIR) if n.startswith(shared.prefix())}
-
-
-class Launch:
-    """Processes of one job in their own process group (led by an idle anchor), logs in ``out``."""
-
-    def __init__(self, out: Path, commands: list[tuple[list[str], dict[str, str]]]) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.out = out
-        # A short private TMPDIR: AF_UNIX paths (gloo, multiprocessing) are limited to 107 bytes.
-        self.tmp = tempfile.mkdtemp(prefix="lfdl-", dir="/tmp")
-        self.anchor = subprocess.Popen(["sleep", "900"], process_group=0)
-        self.pgid = self.anchor.pid
-        base = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-        base.update(TMPDIR=self.tmp, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-        self.procs: list[subprocess.Popen] = []
-        for k, (argv, env) in enumerate(commands):
-            with open(out / f"proc{k}.log", "w") as log:
-                self.procs.append(subprocess.Popen(argv, env=dict(base, **env), stdout=log, stderr=subprocess.STDOUT,
-                                                   process_group=self.pgid))
-
-    def wait(self, timeout: float) -> list[int]:
-        """Exit codes; raises ``TimeoutExpired`` past ``timeout`` (then :meth:`reap` kills the rest)."""
-        deadline = time.monotonic() + timeout
-        return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
-
-    def _members(self) -> list[int]:
-        out = []
-        for p in psutil.process_iter(["pid", "status"]):
-            try:
-                if p.pid != self.pgid and os.getpgid(p.pid) == self.pgid and p.info["status"] != "zombie":
-                    out.append(p.pid)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        return out
-
-    def reap(self, grace: float = 20.0) -> None:
-        """Give stragglers (workers, spawned ranks) ``grace`` seconds, kill the group, clean up."""
-        deadline = time.monotonic() + grace
-        while self._members() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        os.killpg(self.pgid, signal.SIGKILL)  # the unreaped anchor keeps this group id ours until now
-        for p in (*self.procs, self.anchor):
-            p.wait(timeout=30)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def log(self) -> str:
-        return "\n".join((self.out / f"proc{k}.log").read_text()[-4000:] for k in range(len(self.procs)))
+class Launch(_jobs.Launch):
+    """A launcher job whose ranks record what they mapped and read."""
 
     def run(self, timeout: float = TIMEOUT) -> list[dict]:
         """Wait for a clean exit; the two ranks' records, with their workers' mappings."""
@@ -145,13 +84,13 @@ def _check_common(r: list[dict], local_ranks: int) -> None:
             assert zlib.crc32(ds[i][0].numpy().tobytes()) == crc, i
     assert not set(r[0]["indices"]) & set(r[1]["indices"])
     assert sorted(r[0]["indices"] + r[1]["indices"]) == list(range(N))
-    assert _shm_names() == set()
+    assert shm_names() == set()
 
 
 def test_ddp_spawn_one_copy(tmp_path, cache):
     """``Trainer(strategy="ddp_spawn", devices=2)``: the spawned ranks and their workers share one segment."""
     job = Launch(tmp_path, [([sys.executable, JOB, "spawn", str(tmp_path), cache, str(N)],
-                             {"MASTER_PORT": str(_free_port())})])
+                             {"MASTER_PORT": str(free_port())})])
     r = job.run()
     _check_common(r, local_ranks=2)
     assert {x["local_rank"] for x in r} == {0, 1} and all(x["node_rank"] == 0 for x in r)
@@ -163,7 +102,7 @@ def test_ddp_spawn_one_copy(tmp_path, cache):
 def test_torchrun_one_copy(tmp_path, cache):
     """``torchrun --nproc_per_node=2`` with ``Trainer(strategy="ddp", devices=2)``: one segment."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", JOB, "ddp", str(tmp_path), cache, str(N)]
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", JOB, "ddp", str(tmp_path), cache, str(N)]
     job = Launch(tmp_path, [(argv, {})])
     r = job.run()
     _check_common(r, local_ranks=2)
@@ -174,7 +113,7 @@ def test_torchrun_one_copy(tmp_path, cache):
 
 def test_two_nodes_each_lead_their_own_segment(tmp_path, cache):
     """Two simulated nodes of one rank each: both are local rank 0, lead, and map only their own segment."""
-    port = str(_free_port())
+    port = str(free_port())
     commands = [([sys.executable, JOB, "nodes", str(tmp_path), cache, str(N)],
                  {"RANK": str(node), "WORLD_SIZE": "2", "NODE_RANK": str(node), "LOCAL_RANK": "0",
                   "LOCAL_WORLD_SIZE": "1", "MASTER_PORT": port}) for node in (0, 1)]
