@@ -483,6 +483,34 @@ def _resample_rows(
     return out  # type: ignore[return-value]
 
 
+def _box_attempts(u: torch.Tensor, area: int, scale: Sequence[float], ratio: Sequence[float]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchvision's 10 box attempts per sample from uniforms ``u`` (n, 10, >=2).
+
+    Returns ``(round(sqrt(target * aspect)), round(sqrt(target / aspect)))`` for a target
+    area uniform in ``scale`` x ``area`` and an aspect ratio log-uniform in ``ratio``; which
+    of the two is the height is the caller's (torchvision differs between ops).
+    """
+    target = float(area) * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    lr = torch.log(torch.tensor(ratio, device=u.device))
+    aspect = torch.exp(lr[0] + (lr[1] - lr[0]) * u[..., 1])
+    return torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
+
+
+def _first_valid_box(u: torch.Tensor, ok: torch.Tensor, h: torch.Tensor, w: torch.Tensor, height: int,
+                     width: int) -> tuple[torch.Tensor, ...]:
+    """Each sample's first valid attempt and its position from ``u[..., 2:4]``: (top, left, h, w, any valid)."""
+    first = torch.argmax(ok.to(torch.uint8), dim=1, keepdim=True)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(1, first).squeeze(1)
+
+    h, w, ui, uj = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
+    top = torch.floor(ui * (height - h + 1)).clamp_(max=height - h)
+    left = torch.floor(uj * (width - w + 1)).clamp_(max=width - w)
+    return top, left, h, w, ok.any(dim=1)
+
+
 class RandomResizedCrop(BatchTransform):
     """Crop a random area and aspect ratio of each sample and resize it to ``size`` (bilinear).
 
@@ -524,21 +552,10 @@ class RandomResizedCrop(BatchTransform):
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, ...]:
         """Per-sample crop boxes ``(top, left, height, width)``, int64 tensors of shape (n,)."""
-        area = float(height * width)
         u = torch.rand(n, 10, 4, generator=generator, device=device)
-        lo, hi = self.scale
-        target = area * (lo + (hi - lo) * u[..., 0])
-        lr = torch.log(torch.tensor(self.ratio, device=device))
-        aspect = torch.exp(lr[0] + (lr[1] - lr[0]) * u[..., 1])
-        w = torch.round(torch.sqrt(target * aspect))
-        h = torch.round(torch.sqrt(target / aspect))
+        w, h = _box_attempts(u, height * width, self.scale, self.ratio)
         ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-        first = torch.argmax(ok.to(torch.uint8), dim=1, keepdim=True)  # first valid attempt
-        any_ok = ok.any(dim=1)
-        pick = lambda t: t.gather(1, first).squeeze(1)  # noqa: E731
-        h, w, ui, uj = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
-        top = torch.floor(ui * (height - h + 1)).clamp_(max=height - h)
-        left = torch.floor(uj * (width - w + 1)).clamp_(max=width - w)
+        top, left, h, w, any_ok = _first_valid_box(u, ok, h, w, height, width)
         # torchvision's fallback after 10 failed attempts: the central crop of clamped ratio.
         in_ratio = width / height
         if in_ratio < self.ratio[0]:
@@ -976,21 +993,12 @@ class RandomErasing(BatchTransform):
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, ...]:
         """Per-sample ``(erase, top, left, h, w)``: erase is bool (n,), the box int64 (n,)."""
-        area = float(height * width)
         u = torch.rand(n, 10, 4, generator=generator, device=device)
         coin = torch.rand(n, generator=generator, device=device) < self.p
-        target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[..., 0])
-        lr = torch.log(torch.tensor(self.ratio, device=device))
-        aspect = torch.exp(lr[0] + (lr[1] - lr[0]) * u[..., 1])
-        h = torch.round(torch.sqrt(target * aspect))
-        w = torch.round(torch.sqrt(target / aspect))
+        h, w = _box_attempts(u, height * width, self.scale, self.ratio)
         ok = (h < height) & (w < width)
-        first = torch.argmax(ok.to(torch.uint8), dim=1, keepdim=True)
-        pick = lambda t: t.gather(1, first).squeeze(1)  # noqa: E731
-        h, w, ui, uj = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
-        top = torch.floor(ui * (height - h + 1)).clamp_(max=height - h)
-        left = torch.floor(uj * (width - w + 1)).clamp_(max=width - w)
-        return coin & ok.any(dim=1), top.long(), left.long(), h.long(), w.long()
+        top, left, h, w, any_ok = _first_valid_box(u, ok, h, w, height, width)
+        return coin & any_ok, top.long(), left.long(), h.long(), w.long()
 
     def apply(
         self,
