@@ -80,3 +80,21 @@ def trainer(tmp_path, **kwargs) -> L.Trainer:
 
 def as_numpy(x) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def ddp_exit_in_order(linger_s: float = 1.0) -> None:
+    """End a child DDP rank so rank 0, which hosts the TCPStore, leaves last.
+
+    Lightning destroys the process group at exit; if rank 0's store goes first, another
+    rank's gloo threads can abort ("terminate called without an active exception").
+    """
+    import time
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank == 0:
+            time.sleep(linger_s)

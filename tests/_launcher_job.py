@@ -111,6 +111,9 @@ def main(launch: str, out: str, cache: str, n: int) -> None:
         default_root_dir=out, callbacks=[Probe(out)], num_sanity_val_steps=0,
     )
     trainer.fit(Model(), dm)
+    from _helpers import ddp_exit_in_order
+
+    ddp_exit_in_order()
 
 
 if __name__ == "__main__":

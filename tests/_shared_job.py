@@ -201,6 +201,9 @@ def _fit_rank(cache: str, out: Path, mode: str, n: int, shared_memory: str = "au
         trainer.fit(Model(), dm)
     finally:
         (out / f"rank{rank}.json").write_text(json.dumps(record))
+    from _helpers import ddp_exit_in_order
+
+    ddp_exit_in_order()
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ def test_datamodule_worker_loader_seeds_per_epoch(tmp_path):
 _DDP_SCRIPT = textwrap.dedent('''
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from _helpers import TinyDataModule, TinyModel, trainer
+    from _helpers import TinyDataModule, TinyModel, ddp_exit_in_order, trainer
     from lightning_fastdata import augment as A
 
     class Same(torch.utils.data.Dataset):
@@ -306,6 +306,7 @@ _DDP_SCRIPT = textwrap.dedent('''
     t = trainer({root!r}, devices=2, strategy="ddp", max_epochs=2, num_sanity_val_steps=0)
     t.fit(model, dm)
     torch.save(torch.stack([x for x, _ in model.seen]), {out!r}.format(t.global_rank))
+    ddp_exit_in_order()
 ''')
 
 
