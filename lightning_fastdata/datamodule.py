@@ -252,9 +252,9 @@ class OptimizedDataModule(L.LightningDataModule):
             else:
                 self.stores[split] = store
         device = self.target_device()
-        resources = probe_resources(device, local_world_size=D.local_world_size())
+        resources = probe_resources(device, local_world_size=self._local_place()[2])
         nbytes = None if self._raw else sum(s.nbytes for s in self.stores.values())
-        batch_sizes = {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
+        batch_sizes = self._batch_sizes()
         config = self._plan_config()
         self.plan = plan = decide(nbytes, resources, config)
         self._share_host_stores()
@@ -268,9 +268,12 @@ class OptimizedDataModule(L.LightningDataModule):
             self._measure_workers(resources, config, device)
         rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
 
+    def _batch_sizes(self) -> dict[str, int]:
+        return {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
+
     def _plan_config(self) -> dict[str, Any]:
         """The settings :func:`~lightning_fastdata.plan.decide` reads, with the largest batch's bytes."""
-        batch_sizes = {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
+        batch_sizes = self._batch_sizes()
         return {
             "strategy": self.strategy, "vram_fraction": self.vram_fraction,
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
