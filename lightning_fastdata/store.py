@@ -406,15 +406,23 @@ class _FillChunks(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def __getitem__(self, k: int) -> int:
+    def __getitem__(self, k: int) -> int | str:
+        """Fill chunk ``k``; returns the rows written, or the message of a bad sample.
+
+        Bad input comes back as a value rather than an exception, so a worker's message
+        reaches the user as it is, not inside DataLoader's worker traceback.
+        """
         if self._arrays is None:
             self._arrays = [np.load(f, mmap_mode="r+", allow_pickle=False) for f in self.files]
         a, b = self.chunks[k]
-        for i in range(a, b):
-            _, leaves = flatten(self.transform(self.dataset[i]), i)
-            _check_like(self.infos, leaves, i)
-            for arr, (_, value) in zip(self._arrays, leaves, strict=True):
-                arr[i] = value
+        try:
+            for i in range(a, b):
+                _, leaves = flatten(self.transform(self.dataset[i]), i)
+                _check_like(self.infos, leaves, i)
+                for arr, (_, value) in zip(self._arrays, leaves, strict=True):
+                    arr[i] = value
+        except StoreError as e:
+            return f"{type(e).__name__}:{e}"
         for arr in self._arrays:
             arr.flush()
         return b - a
@@ -429,14 +437,16 @@ def _fill(dataset: Any, transform: Callable, files: list[Path], infos: list[Fiel
     filler = _FillChunks(dataset, transform, files, infos, chunks)
     with tqdm(total=n, desc=desc, unit="sample", disable=not progress, leave=False) as bar:
         if workers <= 1:
-            for k in range(len(chunks)):
-                bar.update(filler[k])
-            return
-        loader = torch.utils.data.DataLoader(
-            filler, batch_size=None, num_workers=workers, shuffle=False,
-            worker_init_fn=_single_thread_worker,
-        )
-        for done in loader:
+            results: Any = (filler[k] for k in range(len(chunks)))
+        else:
+            results = torch.utils.data.DataLoader(
+                filler, batch_size=None, num_workers=workers, shuffle=False,
+                worker_init_fn=_single_thread_worker,
+            )
+        for done in results:
+            if isinstance(done, str):
+                kind, _, message = done.partition(":")
+                raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(message)
             bar.update(int(done))
 
 

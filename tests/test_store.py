@@ -183,3 +183,16 @@ def test_old_format_version_is_rejected_then_rebuilt(cache_dir):
     with pytest.warns(UserWarning, match="format version 0, this release reads version 1"):
         s2 = build_store(CountingDataset(8), lambda s: s, cache_dir, progress=False)
     assert json.loads((s2.path / "manifest.json").read_text())["version"] == 1
+
+
+def test_parallel_build_matches_sequential(cache_dir, tmp_path):
+    seq = build_store(CountingDataset(50), lambda s: s, cache_dir, progress=False, num_workers=0)
+    # parallel_threshold_s=0: the transform counts as slow, so the build fans out over the cores
+    par = build_store(CountingDataset(50), lambda s: s, tmp_path / "par", progress=False, parallel_threshold_s=0.0)
+    assert par.fingerprint == seq.fingerprint
+    assert all(np.array_equal(a, b) for a, b in zip(par.fields, seq.fields, strict=True))
+    ragged = CountingDataset(50)
+    with pytest.raises(StoreError, match=r"^sample (3|7), field '0' has shape \(3, 7, 8\)"):
+        build_store(ragged, lambda s: (s[0][:, : 8 - (s[1] == 3 and 1)], s[1]), tmp_path / "bad", progress=False,
+                    num_workers=2, probes=1)
+    assert not list((tmp_path / "bad").glob(".tmp-*"))
