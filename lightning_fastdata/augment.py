@@ -483,6 +483,14 @@ def _resample_rows(
     return out  # type: ignore[return-value]
 
 
+def _ratio_range(ratio: Sequence[float]) -> tuple[float, float]:
+    """An aspect-ratio range ``0 < min <= max``."""
+    out = _float_range(ratio, "ratio", lower=0.0)
+    if out[0] <= 0:
+        raise ValueError(f"ratio must be > 0, got {ratio!r}")
+    return out
+
+
 def _box_attempts(u: torch.Tensor, area: int, scale: Sequence[float], ratio: Sequence[float]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """torchvision's 10 box attempts per sample from uniforms ``u`` (n, 10, >=2).
@@ -538,9 +546,7 @@ class RandomResizedCrop(BatchTransform):
         self.scale = _float_range(scale, "scale", lower=0.0, upper=1.0)
         if self.scale[1] <= 0:
             raise ValueError(f"scale must have max > 0, got {scale!r}")
-        self.ratio = _float_range(ratio, "ratio", lower=0.0)
-        if self.ratio[0] <= 0:
-            raise ValueError(f"ratio must be > 0, got {ratio!r}")
+        self.ratio = _ratio_range(ratio)
         self.antialias = bool(antialias)
 
     def draw(
@@ -972,9 +978,7 @@ class RandomErasing(BatchTransform):
             raise ValueError(f"p must be in [0, 1], got {p}")
         self.p = p
         self.scale = _float_range(scale, "scale", lower=0.0, upper=1.0)
-        self.ratio = _float_range(ratio, "ratio", lower=0.0)
-        if self.ratio[0] <= 0:
-            raise ValueError(f"ratio must be > 0, got {ratio!r}")
+        self.ratio = _ratio_range(ratio)
         if isinstance(value, str):
             if value != "random":
                 raise ValueError(

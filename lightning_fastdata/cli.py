@@ -181,17 +181,11 @@ def plan_for(dm: OptimizedDataModule, device: torch.device, local_world_size: in
         PlanError: a forced strategy cannot work here.
     """
     dm.prepare_data()
-    for split, src in dm._sources(("train", "val")).items():
-        if split not in dm.stores and split not in dm._raw:
-            store = dm._open(split, src)
-            if store is None:
-                dm._raw[split] = src
-            else:
-                dm.stores[split] = store
+    dm._open_splits(("train", "val"))
     if not dm.stores and not dm._raw:
         raise PlanError(f"{type(dm).__name__}.source('train') and source('val') returned None: nothing to plan")
     resources = resources or probe_resources(device, local_world_size=local_world_size)
-    nbytes = None if dm._raw else sum(s.nbytes for s in dm.stores.values())
+    nbytes = dm._stores_nbytes()
     config = dm._plan_config()
     if strategy is not None:
         config["strategy"] = strategy

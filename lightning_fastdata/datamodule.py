@@ -243,17 +243,10 @@ class OptimizedDataModule(L.LightningDataModule):
         splits = _STAGE_SPLITS.get(stage or "fit", ("train", "val", "test", "predict"))
         if stage is None:
             splits = ("train", "val", "test", "predict")
-        for split, src in self._sources(splits).items():
-            if split in self.stores or split in self._raw:
-                continue
-            store = self._open(split, src)
-            if store is None:
-                self._raw[split] = src
-            else:
-                self.stores[split] = store
+        self._open_splits(splits)
         device = self.target_device()
         resources = probe_resources(device, local_world_size=self._local_place()[2])
-        nbytes = None if self._raw else sum(s.nbytes for s in self.stores.values())
+        nbytes = self._stores_nbytes()
         batch_sizes = self._batch_sizes()
         config = self._plan_config()
         self.plan = plan = decide(nbytes, resources, config)
@@ -267,6 +260,21 @@ class OptimizedDataModule(L.LightningDataModule):
         if self.plan.num_workers_candidates:
             self._measure_workers(resources, config, device)
         rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
+
+    def _open_splits(self, splits: tuple[str, ...]) -> None:
+        """Open (or build) the store of each split with a source; unstorable ones stay raw."""
+        for split, src in self._sources(splits).items():
+            if split in self.stores or split in self._raw:
+                continue
+            store = self._open(split, src)
+            if store is None:
+                self._raw[split] = src
+            else:
+                self.stores[split] = store
+
+    def _stores_nbytes(self) -> int | None:
+        """Bytes of all open stores; ``None`` when a split cannot be stored (only workers can load it)."""
+        return None if self._raw else sum(s.nbytes for s in self.stores.values())
 
     def _batch_sizes(self) -> dict[str, int]:
         return {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}

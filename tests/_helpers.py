@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import numpy as np
 import torch
@@ -98,3 +100,15 @@ def ddp_exit_in_order(linger_s: float = 1.0) -> None:
         dist.destroy_process_group()
         if rank == 0:
             time.sleep(linger_s)
+
+
+def run_demo(cwd, *args: str) -> Any:
+    """``python -m lightning_fastdata.demo *args`` in ``cwd``, one thread, this checkout first on the path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run([sys.executable, "-m", "lightning_fastdata.demo", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)

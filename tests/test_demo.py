@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import run_demo
 from PIL import Image
 
 from lightning_fastdata.demo import (
@@ -117,23 +118,7 @@ def test_killed_writer_leaves_no_complete_dataset(tmp_path):
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path):
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_fastdata.demo",
-            "--quick",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--json-out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=_child_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_demo(tmp_path, "--quick", "--data-dir", str(tmp_path / "data"), "--json-out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("epoch time", "samples/s", "waiting for data", "val accuracy", "speed-up"):
         assert row in proc.stdout, proc.stdout
@@ -151,23 +136,7 @@ def test_quick_demo_end_to_end(tmp_path):
     with Image.open(png) as im:
         assert im.format == "PNG"
     # The second run reuses the dataset and the cache: nothing is written again.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_fastdata.demo",
-            "--quick",
-            "--epochs",
-            "1",
-            "--data-dir",
-            str(tmp_path / "data"),
-        ],
-        cwd=tmp_path,
-        env=_child_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_demo(tmp_path, "--quick", "--epochs", "1", "--data-dir", str(tmp_path / "data"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "writing the demo dataset" not in proc.stdout
     assert "val accuracy after 1 epochs" in proc.stdout

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from _helpers import run_demo
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,24 +16,7 @@ pytestmark = [
 
 def test_quick_demo_on_cuda(tmp_path):
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_fastdata.demo",
-            "--quick",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--json-out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_demo(tmp_path, "--quick", "--data-dir", str(tmp_path / "data"), "--json-out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["device"] == "cuda"
