@@ -1,18 +1,24 @@
 """FastDataCallback's cost on a tiny model's training step, side by side with and without it.
 
-Each repeat trains the same tiny model for ``--steps`` steps three times: with only a
-timing callback, with a no-op ``Callback`` added (what Lightning's hook dispatch costs
-any callback), and with ``FastDataCallback`` added (the arm order rotates between
-repeats), on an in-memory dataset so that the step is as short as Lightning allows: the
-worst case for a per-step profiler. The headline figure is the median over repeats of
-the per-step median of each arm; the overhead is their relative difference, as a share
-of the step time without the callback. The mean step (every step, the logging-interval
-ones included) is reported too, as are two figures free of the shared machine's noise:
-the callback's own code per step in a tight loop (``hot_path``) and what Lightning's
-dispatch of one hook to one callback costs (``dispatch``). Writes JSON to
-``benchmarks/results/callback_overhead.json``.
+Three arms train the same tiny model on an in-memory dataset, so that the step is as
+short as Lightning allows (the worst case for a per-step profiler): without any added
+callback, with a no-op ``Callback`` (what Lightning's hook dispatch costs any callback,
+for scale) and with ``FastDataCallback``. Every run is a fresh process: a warm-up fit,
+then ``--fits`` fits of ``--steps`` steps, and the median step of each (the median
+filters the preemption spikes of a shared machine); arms alternate, in rotating order,
+``--processes`` times.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/callback_overhead.py --steps 400 --repeats 9
+Why fresh processes: on this machine a process's memory layout (randomised per process)
+moves a 0.7 ms step by about +-1.5%, and arms compared inside one process inherit that
+process's bias, so that variants doing strictly less work measured slower. Across
+processes the bias is random and the median over processes cancels it. The headline
+overhead is the median step with the callback over the median step without it, less 1,
+with a bootstrap 95% interval over processes. Two figures free of that noise come with
+it: the callback's own code per step in a tight loop (``hot_path``) and what Lightning's
+dispatch of one hook to one callback costs (``dispatch``); ``callback_instructions.py``
+counts instructions. Writes JSON to ``benchmarks/results/callback_overhead.json``.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/callback_overhead.py --processes 24
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -107,41 +116,56 @@ def run(steps: int, arm: str, root: str, kind: str = "linear") -> tuple[float, f
     return timer.step_s, timer.mean_step_s
 
 
-def measure(kind: str, steps: int, repeats: int, root: str) -> dict:
-    """Median per-step time of each arm over ``repeats`` rotated repeats."""
+def child(arm: str, kind: str, steps: int, fits: int) -> None:
+    """One process of one arm: a warm-up fit, then ``fits`` timed fits; prints (median, mean) step as JSON."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as root:
+        run(max(20, steps // 4), arm, root, kind)  # imports, allocator, first-call costs
+        runs = [run(steps, arm, root, kind) for _ in range(fits)]
+    print(json.dumps({"step_s": statistics.median(r[0] for r in runs),
+                      "mean_step_s": statistics.median(r[1] for r in runs)}))
+
+
+def _spawn(arm: str, kind: str, steps: int, fits: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--child", arm, kind, str(steps), str(fits)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{arm}/{kind} run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _ratio_interval(with_: list[float], without: list[float], draws: int = 4000) -> tuple[float, float]:
+    """Bootstrap 95% interval of median(with) / median(without) - 1, resampling processes."""
+    rng = np.random.default_rng(0)
+    a, b = np.asarray(with_), np.asarray(without)
+    ratios = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) - 1 for _ in range(draws)]
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def measure(kind: str, steps: int, fits: int, processes: int) -> dict:
+    """Median step of each arm over ``processes`` fresh processes, arms in rotating order."""
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     means: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    run(max(20, steps // 4), "fastdata", root, kind)  # warm-up: imports, allocator, first-call costs
-    for r in range(repeats):
-        order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]  # rotate, so no arm always runs first
-        for arm in order:
-            median_s, mean_s = run(steps, arm, root, kind)
-            times[arm].append(median_s)
-            means[arm].append(mean_s)
+    for p in range(processes):
+        for arm in ARMS[p % len(ARMS):] + ARMS[:p % len(ARMS)]:
+            out = _spawn(arm, kind, steps, fits)
+            times[arm].append(out["step_s"])
+            means[arm].append(out["mean_step_s"])
     base, noop, prof = (statistics.median(times[a]) for a in ARMS)
-    mean_base, mean_noop, mean_prof = (statistics.median(means[a]) for a in ARMS)
-
-    def paired(runs: dict[str, list[float]], arm: str) -> float:
-        # Paired differences (same repeat) cancel slow drifts of a shared machine better than two medians.
-        return statistics.median((b - a) / a for a, b in zip(runs["without"], runs[arm], strict=True))
-
+    mean_base, mean_prof = statistics.median(means["without"]), statistics.median(means["fastdata"])
+    lo, hi = _ratio_interval(times["fastdata"], times["without"])
+    noop_lo, noop_hi = _ratio_interval(times["noop_callback"], times["without"])
     return {
-        "steps": steps,
-        "repeats": repeats,
-        "step_ms_without": 1e3 * base,
-        "step_ms_noop_callback": 1e3 * noop,
-        "step_ms_with": 1e3 * prof,
-        "overhead_frac": (prof - base) / base,
-        "overhead_frac_paired_median": paired(times, "fastdata"),
+        "steps": steps, "fits_per_process": fits, "processes": processes,
+        "step_ms_without": 1e3 * base, "step_ms_noop_callback": 1e3 * noop, "step_ms_with": 1e3 * prof,
+        "overhead_frac": (prof - base) / base, "overhead_frac_ci95": [lo, hi],
         "overhead_us_per_step": 1e6 * (prof - base),
-        "lightning_dispatch_frac": (noop - base) / base,
-        "lightning_dispatch_frac_paired_median": paired(times, "noop_callback"),
-        "overhead_vs_noop_callback_frac": (prof - noop) / noop,
-        "mean_step_ms_without": 1e3 * mean_base,
-        "mean_step_ms_noop_callback": 1e3 * mean_noop,
-        "mean_step_ms_with": 1e3 * mean_prof,
+        "lightning_dispatch_frac": (noop - base) / base, "lightning_dispatch_frac_ci95": [noop_lo, noop_hi],
+        "mean_step_ms_without": 1e3 * mean_base, "mean_step_ms_with": 1e3 * mean_prof,
         "mean_overhead_frac": (mean_prof - mean_base) / mean_base,
-        "mean_overhead_frac_paired_median": paired(means, "fastdata"),
         "runs_step_ms": {a: [1e3 * v for v in times[a]] for a in ARMS},
         "runs_mean_step_ms": {a: [1e3 * v for v in means[a]] for a in ARMS},
     }
@@ -180,9 +204,10 @@ def dispatch_us(calls: int = 20000, repeats: int = 7) -> dict:
 def hot_path_us(calls: int = 20000, repeats: int = 7) -> dict:
     """The callback's own cost per step, in a tight loop: the loop's per-step calls with and without it.
 
-    One "step" is what the training loop does per batch that the callback touches: the
-    fetch hooks, ``batch_to_device`` and the two batch hooks (logging interval included).
-    Free of the step-to-step noise of a shared machine, unlike the side-by-side runs.
+    One "step" is what the training loop does per batch that the callback touches: the two
+    fetch hooks, ``batch_to_device`` and the optimisation run (here an empty one, so that
+    only the wrapper's cost remains; the logging interval included). Free of the
+    step-to-step noise of a shared machine, unlike the side-by-side runs.
     """
     cb = FastDataCallback(print_report=False)
     with tempfile.TemporaryDirectory() as root:
@@ -190,25 +215,29 @@ def hot_path_us(calls: int = 20000, repeats: int = 7) -> dict:
                             enable_progress_bar=False, enable_model_summary=False)
         model = Tiny()
         trainer.strategy.connect(model)
-        cb.setup(trainer, model, "fit")
         loop, strategy = trainer.fit_loop.epoch_loop, trainer.strategy
+        plain_before, plain_after = loop._on_before_fetch, loop._on_after_fetch
+        cb.setup(trainer, model, "fit")
         batch = (torch.zeros(64, 32), torch.zeros(64, dtype=torch.long))
-        noop = L.Callback()
+        kwargs = {"batch": batch, "batch_idx": 0}
+
+        def empty_run(optimizer: object, batch_idx: int, kwargs: dict) -> None:
+            return None
+
+        timed_run = cb._wrap_step(empty_run, trainer, cb._train)  # what setup() puts on automatic_optimization.run
 
         def wrapped() -> None:
             loop._on_before_fetch()
             loop._on_after_fetch()
             strategy.batch_to_device(batch, dataloader_idx=0)
-            cb.on_train_batch_start(trainer, model, batch, 0)
-            cb.on_train_batch_end(trainer, model, None, batch, 0)
+            timed_run(None, 0, kwargs)
             loop._batches_that_stepped += 1
 
         def plain() -> None:
-            type(loop)._on_before_fetch(loop)
-            type(loop)._on_after_fetch(loop)
+            plain_before()
+            plain_after()
             type(strategy).batch_to_device(strategy, batch, dataloader_idx=0)
-            noop.on_train_batch_start(trainer, model, batch, 0)
-            noop.on_train_batch_end(trainer, model, None, batch, 0)
+            empty_run(None, 0, kwargs)
             loop._batches_that_stepped += 1
 
         out: dict[str, list[float]] = {"plain": [], "wrapped": []}
@@ -228,10 +257,16 @@ def hot_path_us(calls: int = 20000, repeats: int = 7) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--fits", type=int, default=2, help="timed fits per process")
+    parser.add_argument("--processes", type=int, default=24, help="fresh processes per arm")
     parser.add_argument("--models", nargs="+", default=["linear", "cnn"], choices=sorted(SHAPES))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "callback_overhead.json"))
+    parser.add_argument("--child", nargs=4, metavar=("ARM", "MODEL", "STEPS", "FITS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        arm, kind, steps, fits = args.child
+        child(arm, kind, int(steps), int(fits))
+        return
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     result: dict = {"benchmark": "callback_overhead", "models": {}}
@@ -241,24 +276,20 @@ def main() -> None:
     disp = result["dispatch"] = dispatch_us()
     print(f"Lightning's dispatch: {disp['us_per_hook_per_callback']:.2f} us per hook per callback; per training "
           f"step a no-op Callback receives {len(disp['noop_callback_step_hooks'])} hooks, FastDataCallback "
-          f"{len(disp['fastdata_step_hooks'])} ({', '.join(disp['fastdata_step_hooks'])})")
-    with tempfile.TemporaryDirectory() as root:
-        for kind in args.models:
-            r = result["models"][kind] = measure(kind, args.steps, args.repeats, root)
-            r["hot_path_frac"] = hot["added_us_per_step"] / (1e3 * r["step_ms_without"])
-            r["dispatch_frac"] = (len(disp["fastdata_step_hooks"]) * disp["us_per_hook_per_callback"]
-                                  / (1e3 * r["step_ms_without"]))
-            n_hooks = len(disp["fastdata_step_hooks"])
-            print(f"{kind}: step {r['step_ms_without']:.3f} ms without, {r['step_ms_with']:.3f} ms with "
-                  f"FastDataCallback: overhead {100 * r['overhead_frac']:+.2f}% of the step "
-                  f"({r['overhead_us_per_step']:+.1f} us; paired median "
-                  f"{100 * r['overhead_frac_paired_median']:+.2f}%; every step counted, logging ones included: "
-                  f"{100 * r['mean_overhead_frac_paired_median']:+.2f}%), median over {r['repeats']} repeats of "
-                  f"{r['steps']} steps")
-            print(f"    for scale: a no-op Callback costs {100 * r['lightning_dispatch_frac']:+.2f}% "
-                  f"(paired {100 * r['lightning_dispatch_frac_paired_median']:+.2f}%; Lightning's hook dispatch); "
-                  f"of FastDataCallback's cost, its own code is {100 * r['hot_path_frac']:.2f}% of the step and "
-                  f"Lightning's dispatch of its {n_hooks} hooks {100 * r['dispatch_frac']:.2f}%")
+          f"{len(disp['fastdata_step_hooks'])} ({', '.join(disp['fastdata_step_hooks']) or 'none'})")
+    for kind in args.models:
+        r = result["models"][kind] = measure(kind, args.steps, args.fits, args.processes)
+        r["hot_path_frac"] = hot["added_us_per_step"] / (1e3 * r["step_ms_without"])
+        lo, hi = r["overhead_frac_ci95"]
+        print(f"{kind}: step {r['step_ms_without']:.3f} ms without, {r['step_ms_with']:.3f} ms with "
+              f"FastDataCallback: overhead {100 * r['overhead_frac']:+.2f}% of the step "
+              f"(95% interval {100 * lo:+.2f}% to {100 * hi:+.2f}%; {r['overhead_us_per_step']:+.1f} us; every step "
+              f"counted, logging ones included: {100 * r['mean_overhead_frac']:+.2f}%), medians over "
+              f"{r['processes']} processes x {r['fits_per_process']} fits of {r['steps']} steps")
+        nlo, nhi = r["lightning_dispatch_frac_ci95"]
+        print(f"    for scale: a no-op Callback costs {100 * r['lightning_dispatch_frac']:+.2f}% "
+              f"({100 * nlo:+.2f}% to {100 * nhi:+.2f}%; Lightning's hook dispatch); FastDataCallback's own code "
+              f"is {100 * r['hot_path_frac']:.2f}% of the step in a tight loop")
     result["machine"] = {
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "platform": platform.platform(), "python": platform.python_version(),

@@ -108,7 +108,10 @@ class FastDataCallback(DataWaitProfiler):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._process_dataloader is not None:
             strategy, original = self._process_dataloader
-            strategy.process_dataloader = original  # type: ignore[method-assign]
+            if getattr(original, "__self__", None) is strategy:
+                del strategy.process_dataloader  # the class's method shows through again
+            else:
+                strategy.process_dataloader = original  # type: ignore[method-assign]
             self._process_dataloader = None
         super().teardown(trainer, pl_module, stage)
 

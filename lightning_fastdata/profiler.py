@@ -8,18 +8,26 @@ Every training and validation step is split into three parts that add up to its 
   to the end of ``strategy.batch_to_device`` (the module's ``on_before_batch_transfer``,
   the host-to-device copy, and ``on_after_batch_transfer``, where on-device augmentation
   is launched);
-* **compute**: ``on_*_batch_start`` to ``on_*_batch_end`` minus any wait inside it (a
-  ``dataloader_iter`` step fetches inside). On a GPU it is the device time between two
-  CUDA events recorded at those hooks, read a few steps later once the events have
-  completed (``Event.query``), so no step is ever synchronised. There, the data wait
-  counts only the part of the host's blocked time that device compute does not cover
-  (``min(wait, step - compute)``): a synchronising copy that waits for earlier kernels
-  is compute showing up on the host, the error Lightning's SimpleProfiler makes;
-* **overhead**: the rest of the step (logging, callbacks, loop bookkeeping).
+* **compute**: the step itself, minus any wait inside it (a ``dataloader_iter`` step
+  fetches inside): for training, Lightning's optimisation run (``training_step``,
+  ``backward`` and the optimizer step, automatic or manual); for validation,
+  ``strategy.validation_step``. On a GPU it is the device time between two CUDA events
+  recorded around it, read a few steps later once the events have completed
+  (``Event.query``), so no step is ever synchronised. There, the data wait counts only
+  the part of the host's blocked time that device compute does not cover
+  (``min(wait, step - compute)``): a synchronising copy that waits for earlier kernels is
+  compute showing up on the host, the error Lightning's SimpleProfiler makes;
+* **overhead**: the rest of the step: the batch hooks of callbacks and of the module,
+  logging, loop bookkeeping.
 
 A step runs from the end of the previous one (or the start of the epoch, or the end of a
 validation run) to the end of its own. On a GPU the device's idle gap between steps (end
 event of one step to start event of the next) is reported too.
+
+Nothing here runs as a per-step callback hook: Lightning's dispatch of a single hook to a
+single callback costs more than all of this timing (see ``benchmarks/callback_overhead.py``).
+Instead the calls above are wrapped on the Trainer's own loop and strategy objects for the
+duration of the run and restored in ``teardown``.
 
 Figures are logged through the Trainer's loggers every ``log_every_n_steps`` (the mean of
 the steps since the last log) and per epoch (mean, p50, p95). Under DDP each figure is
@@ -42,6 +50,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -57,16 +66,14 @@ DATA_ADVICE_FRAC = 0.10
 #: Framework overhead at or above this share of the step gets its own advice.
 OVERHEAD_ADVICE_FRAC = 0.25
 #: Per-step hooks the profiler never uses. Lightning dispatches every hook to every callback,
-#: and each dispatch costs ~1.4 us per step even for an empty hook (a profiler context and an
-#: f-string): the four training ones alone are ~0.8% of a tiny model's step. Lightning's
-#: ``_call_callback_hooks`` skips a hook attribute that is not callable, so these are set to
-#: None on the instance (unless a subclass overrides them).
-_UNUSED_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step",
-                      "on_before_zero_grad", "on_test_batch_start", "on_test_batch_end",
-                      "on_predict_batch_start", "on_predict_batch_end")
-#: The per-step hooks that time steps: skipped the same way while profiling is off.
-_TIMING_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_validation_batch_start",
-                      "on_validation_batch_end")
+#: and each dispatch costs ~1.4 us (~16,000 instructions) per step even for an empty hook (a
+#: profiler context and an f-string): a no-op Callback adds ~1.6% to a tiny model's step.
+#: Lightning's ``_call_callback_hooks`` skips a hook attribute that is not callable, so these
+#: are set to None on the instance (unless a subclass overrides them).
+_UNUSED_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_validation_batch_start",
+                      "on_validation_batch_end", "on_test_batch_start", "on_test_batch_end",
+                      "on_predict_batch_start", "on_predict_batch_end", "on_before_backward",
+                      "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
 class _Stage:
@@ -85,10 +92,8 @@ class _Stage:
     def new_epoch(self, now: float | None) -> None:
         self.rows = []
         # The data wait of the step so far is fetch + transfer (kept apart, added once at step end).
-        self.fetch = self.transfer = self.wait_at_start = 0.0
-        self.prev_end = self.epoch_start = now
-        self.start: float | None = None
-        self.start_event: Any = None
+        self.fetch = self.transfer = 0.0
+        self.prev_end = self.epoch_start = now  # None before the first epoch: no step is timed
         self.prev_event: Any = None
         self.pending.clear()
         self.resolved = self.logged = 0
@@ -133,21 +138,19 @@ class DataWaitProfiler(Callback):
         self._captured: list[Any] = []
         self._replay: dict[str, Any] | None = None
         self._context: dict[str, Any] = {}
-        # FastDataCallback(profile=False) turns every timing hook into a no-op (see _disable).
+        # FastDataCallback(profile=False) wraps nothing and times nothing (see _disable).
         self._enabled = True
-        self._epoch_loop: Any = None
         _skip_dispatch(self, _UNUSED_STEP_HOOKS, Callback)
 
     def _disable(self) -> None:
-        """Stop timing; Lightning then no longer dispatches the per-step timing hooks at all."""
+        """Stop timing: :meth:`setup` then wraps nothing."""
         self._enabled = False
         self._active = None
-        _skip_dispatch(self, _TIMING_STEP_HOOKS, DataWaitProfiler)
 
     # ------------------------------------------------------------------ installation
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Wrap the calls that fetch, transfer and augment batches (restored in ``teardown``)."""
+        """Wrap the calls that fetch, transfer, augment and compute batches (restored in ``teardown``)."""
         if not self._enabled or stage not in ("fit", "validate") or self._patches:
             return
         if getattr(trainer.strategy.batch_to_device, "_fastdata_wrapper", False):
@@ -157,12 +160,19 @@ class DataWaitProfiler(Callback):
             self._disable()
             return
         self._cuda = trainer.strategy.root_device.type == "cuda"
-        loops = [trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop]
-        for loop in loops:
-            self._patch(loop, "_on_before_fetch", self._wrap_before_fetch(loop._on_before_fetch))
-            self._patch(loop, "_on_after_fetch", self._wrap_after_fetch(loop._on_after_fetch))
-        # Called through instance attribute lookup by the loops (Lightning 2.x).
-        self._patch(trainer.strategy, "batch_to_device", self._wrap_transfer(trainer.strategy.batch_to_device))
+        # Lightning's own fetch hooks only feed trainer.profiler; with the default no-op profiler
+        # they are skipped, so that the timed fetch costs no more than the untimed one.
+        quiet = type(trainer.profiler) is PassThroughProfiler
+        epoch_loop = trainer.fit_loop.epoch_loop
+        for loop in (epoch_loop, epoch_loop.val_loop, trainer.validate_loop):
+            self._patch(loop, "_on_before_fetch", self._wrap_before_fetch(None if quiet else loop._on_before_fetch))
+            self._patch(loop, "_on_after_fetch", self._wrap_after_fetch(None if quiet else loop._on_after_fetch))
+        # Each is called through instance attribute lookup by the loops (Lightning 2.x).
+        strategy = trainer.strategy
+        self._patch(strategy, "batch_to_device", self._wrap_transfer(strategy.batch_to_device))
+        for opt_loop in (epoch_loop.automatic_optimization, epoch_loop.manual_optimization):
+            self._patch(opt_loop, "run", self._wrap_step(opt_loop.run, trainer, self._train))
+        self._patch(strategy, "validation_step", self._wrap_step(strategy.validation_step, trainer, self._val))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Restore everything :meth:`setup` wrapped."""
@@ -183,36 +193,98 @@ class DataWaitProfiler(Callback):
         wrapper._fastdata_wrapper = True  # type: ignore[attr-defined]
         object.__setattr__(obj, name, wrapper)
 
-    def _wrap_before_fetch(self, original: Callable[[], None]) -> Callable[[], None]:
-        def before_fetch() -> None:
-            original()
-            self._fetch_t0 = self.clock()
+    # The wrappers run every step: locals over attributes, one clock read per boundary.
+
+    def _wrap_before_fetch(self, original: Callable[[], None] | None) -> Callable[[], None]:
+        clock = self.clock
+        if original is None:
+            def before_fetch() -> None:
+                self._fetch_t0 = clock()
+        else:
+            def before_fetch() -> None:
+                original()
+                self._fetch_t0 = clock()
         return before_fetch
 
-    def _wrap_after_fetch(self, original: Callable[[], None]) -> Callable[[], None]:
+    def _wrap_after_fetch(self, original: Callable[[], None] | None) -> Callable[[], None]:
+        clock = self.clock
+
         def after_fetch() -> None:
-            now = self.clock()
+            now = clock()
             stage = self._active
             if stage is not None:
                 stage.fetch += now - self._fetch_t0
             self._fetch_end = now
-            original()
+            if original is not None:
+                original()
         return after_fetch
 
     def _wrap_transfer(self, original: Callable[..., Any]) -> Callable[..., Any]:
         # Timed from the end of the fetch: the loop's convert_input and on_before_batch_transfer
-        # run between the two, and are data preparation too. One clock read per batch.
+        # run between the two, and are data preparation too.
+        clock = self.clock
+
         def transfer(*args: Any, **kwargs: Any) -> Any:
             t0 = self._fetch_end
             if t0 is None:  # called outside the loop's fetch-then-transfer sequence
-                t0 = self.clock()
+                t0 = clock()
             out = original(*args, **kwargs)
             self._fetch_end = None
             stage = self._active
             if stage is not None:
-                stage.transfer += self.clock() - t0
+                stage.transfer += clock() - t0
             return out
         return transfer
+
+    def _wrap_step(self, original: Callable[..., Any], trainer: L.Trainer, stage: _Stage) -> Callable[..., Any]:
+        """Time ``original`` as the compute of one ``stage`` step, in one closure with no further calls.
+
+        Training wraps ``_AutomaticOptimization.run(optimizer, batch_idx, kwargs)`` and
+        ``_ManualOptimization.run(kwargs)``: the step's kwargs come last and hold the batch.
+        Validation wraps ``strategy.validation_step(batch, batch_idx[, dataloader_idx])``.
+        A step that takes a ``dataloader_iter`` gets the iterator instead; the loop's data
+        fetcher then holds the batch it took.
+        """
+        clock, train = self.clock, stage is self._train
+        fit_loop = trainer.fit_loop
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self._active is not stage:
+                return original(*args, **kwargs)
+            event = self._record() if self._cuda else None
+            wait0 = stage.fetch + stage.transfer
+            start = clock()
+            out = original(*args, **kwargs)
+            now = clock()
+            if train:
+                batch = args[-1].get("batch") if args and isinstance(args[-1], dict) else None
+            else:
+                batch = args[0] if args and not hasattr(type(args[0]), "__next__") else None
+            if batch is None:
+                batch = _fetched_batch(fit_loop if train else _eval_loop(trainer))
+            elif train and self.replay_steps and len(self._captured) < self.replay_batches:
+                self._captured.append(batch)
+            # _batch_len's common case inlined (a list or tuple of tensors).
+            first = batch[0] if (type(batch) is list or type(batch) is tuple) and batch else None
+            n = first.shape[0] if type(first) is torch.Tensor and first.ndim else _batch_len(batch)
+            if event is None:
+                fetch, transfer = stage.fetch, stage.transfer
+                wait, step_s = fetch + transfer, now - stage.prev_end
+                compute = now - start - (wait - wait0)  # a fetch inside the step (dataloader_iter) is wait
+                # A tuple of floats: the collector stops tracking it at its first pass.
+                stage.rows.append((step_s, wait, fetch, transfer, compute, step_s - wait - compute, _NAN, n))
+                stage.resolved += 1
+                stage.samples += n
+                stage.fetch = stage.transfer = 0.0
+                stage.prev_end = now
+            else:
+                self._end_on_device(stage, now, event, n)
+            if train:
+                every = self._log_every  # set once per epoch
+                if every and (fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0:
+                    self._log_interval(trainer, stage)
+            return out
+        return step
 
     # ------------------------------------------------------------------ training hooks
 
@@ -225,35 +297,6 @@ class DataWaitProfiler(Callback):
         self._train.new_epoch(self.clock())
         self._active = self._train
         self._log_every = trainer.log_every_n_steps if trainer.loggers else 0
-        # Read once per epoch: the batch-end hook needs its step counter every step.
-        self._epoch_loop = getattr(trainer.fit_loop, "epoch_loop", None)
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        stage = self._train
-        if self._active is not stage:
-            return
-        # _begin, inlined: this runs every step, where each Python call and attribute read counts.
-        stage.start = self.clock()
-        stage.wait_at_start = stage.fetch + stage.transfer
-        if self._cuda:
-            stage.start_event = torch.cuda.Event(enable_timing=True)
-            stage.start_event.record()
-        if self.replay_steps and len(self._captured) < self.replay_batches:
-            self._captured.append(batch)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
-        stage = self._train
-        if self._active is not stage:
-            return
-        self._end(stage, batch)
-        n = self._log_every  # read once per epoch: this hook runs every step
-        if n:
-            loop = self._epoch_loop
-            step = loop._batches_that_stepped if hasattr(loop, "_batches_that_stepped") else _step(trainer)
-            if (step + 1) % n == 0:
-                self._log_interval(trainer, stage)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stage = self._train
@@ -267,6 +310,9 @@ class DataWaitProfiler(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.replay_steps and self._captured:
             self._replay = self._run_replay(trainer, pl_module)
+        elif self.replay_steps and self._enabled and self._train.history:
+            rank_zero_warn(f"{type(self).__name__}: replay_steps={self.replay_steps} but no batch was captured: "
+                           "a training_step that takes a dataloader_iter cannot be replayed; set replay_steps=0.")
         self._captured = []
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -281,16 +327,6 @@ class DataWaitProfiler(Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active is self._val:
             self._val.new_epoch(self.clock())
-
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._active is self._val:
-            self._begin(self._val)
-
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._active is self._val:
-            self._end(self._val, batch)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active is self._val:
@@ -309,41 +345,25 @@ class DataWaitProfiler(Callback):
 
     # ------------------------------------------------------------------ per step
 
-    def _begin(self, stage: _Stage) -> None:
-        stage.start = self.clock()
-        stage.wait_at_start = stage.fetch + stage.transfer
-        if self._cuda:
-            stage.start_event = torch.cuda.Event(enable_timing=True)
-            stage.start_event.record()
+    @staticmethod
+    def _record() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def _end(self, stage: _Stage, batch: Any) -> None:
-        now = self.clock()
-        if stage.start is None or stage.prev_end is None:
-            return
-        fetch, transfer = stage.fetch, stage.transfer
-        wait = fetch + transfer
-        step = now - stage.prev_end
-        # _batch_len's common case inlined (a list or tuple of tensors): this runs every step.
-        first = batch[0] if (type(batch) is list or type(batch) is tuple) and batch else None
-        shape = first.shape if type(first) is torch.Tensor else None
-        n = shape[0] if shape else _batch_len(batch)
-        if self._cuda:
-            end_event = torch.cuda.Event(enable_timing=True)
-            end_event.record()
-            row = [step, wait, fetch, transfer, math.nan, math.nan, math.nan, n]
-            stage.pending.append((row, stage.start_event, end_event, stage.prev_event))
+    def _end_on_device(self, stage: _Stage, now: float, start_event: Any, n: int) -> None:
+        """Close a GPU step: its compute is read from its CUDA events once they have completed."""
+        if stage.prev_end is not None:
+            fetch, transfer = stage.fetch, stage.transfer
+            end_event = self._record()
+            row = [now - stage.prev_end, fetch + transfer, fetch, transfer, math.nan, math.nan, math.nan, n]
+            stage.pending.append((row, start_event, end_event, stage.prev_event))
             stage.prev_event = end_event
             stage.rows.append(row)
+            stage.samples += n
             self._resolve(stage, block=False)
-        else:
-            compute = now - stage.start - (wait - stage.wait_at_start)
-            # A tuple: cheaper to build than a list, and the collector stops tracking it.
-            stage.rows.append((step, wait, fetch, transfer, compute, step - wait - compute, _NAN, n))
-            stage.resolved += 1
-        stage.samples += n
         stage.fetch = stage.transfer = 0.0
         stage.prev_end = now
-        stage.start = None
 
     def _resolve(self, stage: _Stage, block: bool) -> None:
         """Read the CUDA events of finished steps; wait only at epoch end or when too many are unread."""
@@ -687,6 +707,16 @@ def _skip_dispatch(callback: Callback, names: tuple[str, ...], owner: type) -> N
     for name in names:
         if getattr(type(callback), name, None) is getattr(owner, name):
             setattr(callback, name, None)
+
+
+def _eval_loop(trainer: L.Trainer) -> Any:
+    """The loop running validation now: the fit loop's own, or ``trainer.validate``'s."""
+    return trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
+
+
+def _fetched_batch(loop: Any) -> Any:
+    """The batch a loop's data fetcher took last (how a ``dataloader_iter`` step's batch is known)."""
+    return getattr(getattr(loop, "_data_fetcher", None), "_batch", None)
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

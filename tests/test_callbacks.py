@@ -284,3 +284,18 @@ def test_callback_keeps_user_worker_init_fn_and_warns_on_held_generator(tmp_path
         draws, _ = _fit_draws(tmp_path, False, rng=np.random.RandomState(0))
     assert (draws[:, 3] == 1.0).all()  # the user's worker_init_fn ran in every worker
     assert any("dataset.rng is a random generator object" in str(w.message) for w in caught)
+
+
+def test_the_trainer_is_left_as_it_was_found(tmp_path):
+    """Every wrapped call (timing and worker seeding) is gone after fit: the classes' methods show again."""
+    trainer = make_trainer(tmp_path, callbacks=[FastDataCallback(print_report=False)])
+    strategy, epoch_loop = trainer.strategy, trainer.fit_loop.epoch_loop
+    watched = [(strategy, ("batch_to_device", "validation_step", "process_dataloader")),
+               (epoch_loop, ("_on_before_fetch", "_on_after_fetch")),
+               (epoch_loop.automatic_optimization, ("run",)), (epoch_loop.manual_optimization, ("run",))]
+    before = {(id(obj), name): getattr(obj, name).__func__ for obj, names in watched for name in names}
+    trainer.fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)), loader(8, 4, Spend(0.0)))
+    for obj, names in watched:
+        for name in names:
+            assert name not in vars(obj), name
+            assert getattr(obj, name).__func__ is before[id(obj), name]

@@ -76,9 +76,53 @@ def test_validation_steps_are_timed_and_sanity_check_is_not(tmp_path):
 
 def test_wrapped_calls_are_restored_after_fit(tmp_path):
     prof, trainer, model = _fit_fake(tmp_path, epochs=1)
-    assert "batch_to_device" not in vars(trainer.strategy)
+    assert "batch_to_device" not in vars(trainer.strategy) and "validation_step" not in vars(trainer.strategy)
     for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop):
         assert "_on_before_fetch" not in vars(loop) and "_on_after_fetch" not in vars(loop)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert "run" not in vars(epoch_loop.automatic_optimization) and "run" not in vars(epoch_loop.manual_optimization)
+
+
+def test_manual_optimization_steps_are_timed(tmp_path):
+    clock = FakeClock()
+
+    class Manual(SpendingModel):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            opt.step()
+
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    trainer = make_trainer(tmp_path, callbacks=[SpendBeforeBatch(Spend(OVERHEAD, clock)), prof])
+    trainer.fit(Manual(Spend(COMPUTE, clock), Spend(TRANSFER, clock)), loader(16, 4, Spend(FETCH, clock)))
+    train = prof.report()["stages"]["train"]
+    assert train["steps"] == 4 and train["samples"] == 16
+    assert train["compute_s"] == 4 * COMPUTE and train["data_wait_s"] == 4 * (FETCH + TRANSFER)
+    assert train["overhead_s"] == 4 * OVERHEAD
+
+
+def test_lightning_profilers_still_see_the_fetch(tmp_path):
+    """The default no-op profiler's fetch hooks are skipped; a real one still records every fetch."""
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    def fetches(callbacks):
+        lightning_profiler = SimpleProfiler()
+        trainer = make_trainer(tmp_path, callbacks=callbacks, profiler=lightning_profiler, num_sanity_val_steps=0)
+        trainer.fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)), loader(8, 4, Spend(0.0)))
+        recorded = lightning_profiler.recorded_durations
+        return {k: len(v) for k, v in recorded.items() if k.endswith("_next")}
+
+    prof = DataWaitProfiler(print_report=False)
+    seen = fetches([prof])
+    assert seen == fetches([]) and seen["[_TrainingEpochLoop].train_dataloader_next"] == 4
+    assert seen["[_EvaluationLoop].val_next"] == 2
+    assert prof.report()["steps"] == 4 and prof.report()["stages"]["validate"]["steps"] == 2
 
 
 def test_fetch_inside_a_dataloader_iter_step_is_wait_not_compute(tmp_path):
@@ -98,6 +142,20 @@ def test_fetch_inside_a_dataloader_iter_step_is_wait_not_compute(tmp_path):
     assert train["steps"] >= 3
     assert train["compute_ms_p50"] == pytest.approx(1e3 * COMPUTE, abs=1e-9)
     assert train["data_wait_ms_p50"] == pytest.approx(1e3 * FETCH, abs=1e-9)
+
+
+def test_replay_of_a_dataloader_iter_step_is_refused_with_a_warning(tmp_path):
+    class IterModel(SpendingModel):
+        def training_step(self, dataloader_iter):
+            x, y = next(dataloader_iter)[0]
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    prof = DataWaitProfiler(replay_steps=3, print_report=False)
+    trainer = make_trainer(tmp_path, callbacks=[prof])
+    with pytest.warns(UserWarning, match="replay_steps=3 but no batch was captured: a training_step that takes a "
+                                         "dataloader_iter cannot be replayed; set replay_steps=0"):
+        trainer.fit(IterModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    assert prof.report()["replay"] is None and prof.report()["samples"] == 16
 
 
 def test_verdict_flips_between_data_and_compute_bound(tmp_path):
@@ -373,8 +431,11 @@ def test_unused_per_step_hooks_are_not_dispatched_but_overrides_are(tmp_path):
             self.zero_grads += 1
 
     plain, custom = DataWaitProfiler(print_report=False), Overrides()
-    # Lightning skips a hook attribute that is not callable: the profiler's unused ones are None.
-    assert plain.on_after_backward is None and plain.on_before_zero_grad is None
+    # Lightning skips a hook attribute that is not callable: no per-step hook reaches the profiler,
+    # which times steps inside the loop's own calls.
+    for name in ("on_train_batch_start", "on_train_batch_end", "on_validation_batch_start",
+                 "on_validation_batch_end", "on_after_backward", "on_before_zero_grad"):
+        assert getattr(plain, name) is None, name
     assert callable(custom.on_before_zero_grad) and custom.on_after_backward is None
     counter = _HookCounter([plain])
     make_trainer(tmp_path, callbacks=[counter, plain]).fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
