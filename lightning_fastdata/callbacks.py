@@ -26,7 +26,7 @@ import psutil
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fastdata.profiler import DataWaitProfiler, loader_info
+from lightning_fastdata.profiler import DataWaitProfiler, _restore, loader_info
 from lightning_fastdata.seeding import install_worker_seeding, randomness_repeats, set_worker_epoch
 
 
@@ -108,10 +108,7 @@ class FastDataCallback(DataWaitProfiler):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._process_dataloader is not None:
             strategy, original = self._process_dataloader
-            if getattr(original, "__self__", None) is strategy:
-                del strategy.process_dataloader  # the class's method shows through again
-            else:
-                strategy.process_dataloader = original  # type: ignore[method-assign]
+            _restore(strategy, "process_dataloader", original)
             self._process_dataloader = None
         super().teardown(trainer, pl_module, stage)
 

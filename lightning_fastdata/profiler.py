@@ -131,7 +131,7 @@ class DataWaitProfiler(Callback):
         self._train, self._val = _Stage("train"), _Stage("validate")
         self._active: _Stage | None = None
         self._cuda = False
-        self._patches: list[tuple[object, str, bool, Any]] = []
+        self._patches: list[tuple[object, str, Any]] = []
         self._fetch_t0 = 0.0
         self._fetch_end: float | None = None
         self._log_every = 0
@@ -176,20 +176,15 @@ class DataWaitProfiler(Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Restore everything :meth:`setup` wrapped."""
-        for obj, name, had_own, old in reversed(self._patches):
-            if had_own:
-                object.__setattr__(obj, name, old)
-            else:
-                object.__delattr__(obj, name)
+        for obj, name, old in reversed(self._patches):
+            _restore(obj, name, old)
         self._patches.clear()
         self._active = None
 
     def _patch(self, obj: object, name: str, wrapper: Callable[..., Any]) -> None:
         # Never read obj.__dict__: on CPython 3.11+ that materialises the instance dict and
         # slows every later attribute read on these hot loop objects (measured: ~2% of a step).
-        current = getattr(obj, name)
-        had_own = getattr(current, "__self__", None) is not obj  # a bound method comes from the class
-        self._patches.append((obj, name, had_own, current if had_own else None))
+        self._patches.append((obj, name, getattr(obj, name)))
         wrapper._fastdata_wrapper = True  # type: ignore[attr-defined]
         object.__setattr__(obj, name, wrapper)
 
@@ -267,18 +262,18 @@ class DataWaitProfiler(Callback):
             # _batch_len's common case inlined (a list or tuple of tensors).
             first = batch[0] if (type(batch) is list or type(batch) is tuple) and batch else None
             n = first.shape[0] if type(first) is torch.Tensor and first.ndim else _batch_len(batch)
+            fetch, transfer = stage.fetch, stage.transfer
+            wait, step_s = fetch + transfer, now - stage.prev_end
             if event is None:
-                fetch, transfer = stage.fetch, stage.transfer
-                wait, step_s = fetch + transfer, now - stage.prev_end
                 compute = now - start - (wait - wait0)  # a fetch inside the step (dataloader_iter) is wait
                 # A tuple of floats: the collector stops tracking it at its first pass.
                 stage.rows.append((step_s, wait, fetch, transfer, compute, step_s - wait - compute, _NAN, n))
                 stage.resolved += 1
-                stage.samples += n
-                stage.fetch = stage.transfer = 0.0
-                stage.prev_end = now
             else:
-                self._end_on_device(stage, now, event, n)
+                self._end_on_device(stage, [step_s, wait, fetch, transfer, _NAN, _NAN, _NAN, n], event)
+            stage.samples += n
+            stage.fetch = stage.transfer = 0.0
+            stage.prev_end = now
             if train:
                 every = self._log_every  # set once per epoch
                 if every and (fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0:
@@ -351,19 +346,13 @@ class DataWaitProfiler(Callback):
         event.record()
         return event
 
-    def _end_on_device(self, stage: _Stage, now: float, start_event: Any, n: int) -> None:
-        """Close a GPU step: its compute is read from its CUDA events once they have completed."""
-        if stage.prev_end is not None:
-            fetch, transfer = stage.fetch, stage.transfer
-            end_event = self._record()
-            row = [now - stage.prev_end, fetch + transfer, fetch, transfer, math.nan, math.nan, math.nan, n]
-            stage.pending.append((row, start_event, end_event, stage.prev_event))
-            stage.prev_event = end_event
-            stage.rows.append(row)
-            stage.samples += n
-            self._resolve(stage, block=False)
-        stage.fetch = stage.transfer = 0.0
-        stage.prev_end = now
+    def _end_on_device(self, stage: _Stage, row: list[float], start_event: Any) -> None:
+        """Queue a GPU step's row: its compute is read from its CUDA events once they have completed."""
+        end_event = self._record()
+        stage.pending.append((row, start_event, end_event, stage.prev_event))
+        stage.prev_event = end_event
+        stage.rows.append(row)
+        self._resolve(stage, block=False)
 
     def _resolve(self, stage: _Stage, block: bool) -> None:
         """Read the CUDA events of finished steps; wait only at epoch end or when too many are unread."""
@@ -707,6 +696,14 @@ def _skip_dispatch(callback: Callback, names: tuple[str, ...], owner: type) -> N
     for name in names:
         if getattr(type(callback), name, None) is getattr(owner, name):
             setattr(callback, name, None)
+
+
+def _restore(obj: object, name: str, original: Any) -> None:
+    """Undo a wrapper set on ``obj.name``: a method of ``obj``'s class shows through again."""
+    if getattr(original, "__self__", None) is obj:  # a bound method: it came from the class
+        object.__delattr__(obj, name)
+    else:
+        object.__setattr__(obj, name, original)
 
 
 def _eval_loop(trainer: L.Trainer) -> Any:
