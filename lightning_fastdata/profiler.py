@@ -356,6 +356,9 @@ class DataWaitProfiler(Callback):
 
     def _resolve(self, stage: _Stage, block: bool) -> None:
         """Read the CUDA events of finished steps; wait only at epoch end or when too many are unread."""
+        if block and stage.pending:
+            # One wait for the newest step: the stream runs in order, so every older event is then done too.
+            stage.pending[-1][2].synchronize()
         while stage.pending:
             row, start, end, prev = stage.pending[0]
             if not (block or len(stage.pending) > self.max_pending or end.query()):

@@ -20,14 +20,19 @@ import json
 import os
 import sys
 import zlib
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
+from _jobs import dump_stacks_on_signal
 from _shared_job import SHAPE, IndexedImages, shm_mappings
+from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_fastdata import OptimizedDataModule
+
+dump_stacks_on_signal()  # at import: spawned ranks import this module too
 
 
 def _record_worker(out: str, rank: int, worker_id: int) -> None:
@@ -101,7 +106,9 @@ class Probe(L.Callback):
 
 def main(launch: str, out: str, cache: str, n: int) -> None:
     torch.set_num_threads(1)
-    strategy = "ddp_spawn" if launch == "spawn" else "ddp"  # gloo on CPU
+    # A rank blocked on a peer that died fails within a minute and a half, with a traceback, instead of hanging.
+    strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90),
+                           start_method="spawn" if launch == "spawn" else "popen")
     devices, num_nodes = (1, 2) if launch == "nodes" else (2, 1)
     dm = DM(n, out, batch_size=128, cache_dir=cache, strategy="workers", num_workers=1, device="cpu",
             progress=False, shared_memory="auto")

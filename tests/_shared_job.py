@@ -207,6 +207,9 @@ def _fit_rank(cache: str, out: Path, mode: str, n: int, shared_memory: str = "au
 
 
 if __name__ == "__main__":
+    from _jobs import dump_stacks_on_signal
+
+    dump_stacks_on_signal()
     torch.set_num_threads(1)
     what = sys.argv[1]
     if what == "stall-in-fill":

@@ -12,6 +12,7 @@ import torch
 import yaml
 from _helpers import TinyDataModule, TinyModel
 from _helpers import trainer as make_trainer
+from _jobs import free_port
 from _timing import Spend, SpendingModel, Vectors, loader
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
@@ -195,6 +196,7 @@ def test_ddp_logs_the_slowest_ranks_wait(tmp_path, monkeypatch):
     # the checkpoint, not its directory): point the spawned processes' TMPDIR into tmp_path.
     (tmp_path / "spawn-tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "spawn-tmp"))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # not Lightning's bind(0) port: see free_port
     logger = CSVLogger(str(tmp_path), name="ddp", version=0)
     cb = FastDataCallback(print_report=False)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=logger,

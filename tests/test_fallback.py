@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import TinyDataModule, TinyModel, trainer
+from _jobs import free_port
 
 import lightning_fastdata.loaders as loaders_module
 from lightning_fastdata.placement import inject_faults, place
@@ -126,17 +126,11 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_agree_when_one_runs_out_of_memory(tmp_path):
     cache = str(tmp_path / "cache")
     TinyDataModule(n=50, cache_dir=cache).prepare_data()  # one build, as Lightning does per node
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, cache], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},

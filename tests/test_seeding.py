@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _jobs import free_port
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -310,12 +310,6 @@ _DDP_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_run(tmp_path: Path, tag: str) -> list[torch.Tensor]:
     out = str(tmp_path / f"{tag}-rank{{}}.pt")
     script = tmp_path / f"{tag}.py"
@@ -327,7 +321,7 @@ def _ddp_run(tmp_path: Path, tag: str) -> list[torch.Tensor]:
             out=out,
         )
     )
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(

@@ -144,18 +144,25 @@ def _fit(tmp_path, strategy: str):
     import lightning as L
     from _helpers import TinyDataModule, TinyModel
 
+    class Loaders(L.Callback):
+        """The training loader that the Trainer iterates (the chunk buffers are freed at teardown)."""
+
+        def on_train_start(self, trainer, pl_module):
+            self.train = trainer.train_dataloader
+
     dm = TinyDataModule(n=200, batch_size=16, strategy=strategy, cache_dir=str(tmp_path / "cache"))
-    model = TinyModel(record=True)
+    model, seen = TinyModel(record=True), Loaders()
     L.Trainer(accelerator="gpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path)).fit(model, dm)
-    return dm, model
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+              callbacks=[seen]).fit(model, dm)
+    return dm, model, seen.train
 
 
 def test_fit_on_gpu_chunked_equals_device(tmp_path, cuda):
-    dm_dev, dev = _fit(tmp_path, "device")
-    dm_chk, chk = _fit(tmp_path, "chunked")
+    dm_dev, dev, _ = _fit(tmp_path, "device")
+    dm_chk, chk, loader = _fit(tmp_path, "chunked")
     assert dm_dev.plan.strategy == "device" and dm_chk.plan.strategy == "chunked"
-    assert dm_chk._chunks["train"].pinned
+    assert isinstance(loader, ChunkedLoader) and loader.buffers.pinned
     assert len(dev.seen) == len(chk.seen) == 2 * 13
     for (x, y), (rx, ry) in zip(chk.seen, dev.seen, strict=True):
         assert x.is_cuda and torch.equal(x, rx) and torch.equal(y, ry)
