@@ -326,11 +326,16 @@ def test_clock_must_be_callable():
 
 
 class _SimulatedEvent:
-    """A CUDA event stand-in on the fake clock: it completes once 2 newer events were recorded."""
+    """A CUDA event stand-in on the fake clock: it completes once ``lag`` newer events were recorded.
+
+    One stream: waiting for an event completes it and every event recorded before it.
+    """
 
     clock: FakeClock
     recorded: list[_SimulatedEvent] = []
     blocking_waits = 0
+    done_through = -1  # index in ``recorded`` of the newest event waited for
+    lag = 2
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.t: float | None = None
@@ -340,11 +345,13 @@ class _SimulatedEvent:
         self.recorded.append(self)
 
     def query(self) -> bool:
-        return len(self.recorded) - self.recorded.index(self) > 2
+        i = self.recorded.index(self)
+        return i <= self.done_through or len(self.recorded) - i > self.lag
 
     def synchronize(self) -> None:
         if not self.query():
             type(self).blocking_waits += 1
+        type(self).done_through = max(self.done_through, self.recorded.index(self))
 
     def elapsed_time(self, end: _SimulatedEvent) -> float:
         return 1e3 * (end.t - self.t)
@@ -354,6 +361,7 @@ def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
     """The GPU code path (lazy event reads, idle gap, gpu_idle_frac) with events on the fake clock."""
     clock = FakeClock()
     _SimulatedEvent.clock, _SimulatedEvent.recorded, _SimulatedEvent.blocking_waits = clock, [], 0
+    _SimulatedEvent.done_through, _SimulatedEvent.lag = -1, 2
     monkeypatch.setattr(torch.cuda, "Event", _SimulatedEvent)
 
     class OnDevice(DataWaitProfiler):
@@ -373,7 +381,7 @@ def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
     trainer.fit(SpendingModel(Spend(COMPUTE, clock), Spend(TRANSFER, clock)), loader(32, 4, Spend(FETCH, clock)))
     # Reads lag the steps (no per-step wait): after step k only the events of step k-1 are complete.
     assert prof.resolved_at_end == [0, 1, 2, 3, 4, 5, 6, 7]
-    assert _SimulatedEvent.blocking_waits == 1  # the last step's events, drained once at epoch end
+    assert _SimulatedEvent.blocking_waits == 1  # one wait at epoch end, for the newest pending step
     train = prof.report()["stages"]["train"]
     wait = FETCH + TRANSFER
     assert train["compute_s"] == 8 * COMPUTE and train["data_wait_s"] == 8 * wait
@@ -383,6 +391,30 @@ def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
     rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("fastdata/gpu_idle_frac")]
     assert len(rows) == 2  # steps 3 and 6 of 8, from the steps resolved by then
     assert float(rows[1]["fastdata/gpu_idle_frac"]) == pytest.approx((wait + OVERHEAD) / (wait + OVERHEAD + COMPUTE))
+
+
+def test_a_device_far_behind_is_drained_with_one_wait(tmp_path, monkeypatch):
+    """Three steps still running at epoch end: one wait for the newest, then the rest read without blocking."""
+    clock = FakeClock()
+    _SimulatedEvent.clock, _SimulatedEvent.recorded, _SimulatedEvent.blocking_waits = clock, [], 0
+    _SimulatedEvent.done_through, _SimulatedEvent.lag = -1, 6  # an event completes 3 steps later
+    monkeypatch.setattr(torch.cuda, "Event", _SimulatedEvent)
+
+    class OnDevice(DataWaitProfiler):
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            self._cuda = True
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.pending_at_end = len(self._train.pending)
+            super().on_train_epoch_end(trainer, pl_module)
+
+    prof = OnDevice(clock=clock, print_report=False)
+    trainer = make_trainer(tmp_path, callbacks=[prof])
+    trainer.fit(SpendingModel(Spend(COMPUTE, clock)), loader(32, 4, Spend(FETCH, clock)))
+    assert prof.pending_at_end == 3
+    assert _SimulatedEvent.blocking_waits == 1
+    assert prof.report()["stages"]["train"]["compute_s"] == 8 * COMPUTE
 
 
 def test_validate_alone_is_timed(tmp_path):
