@@ -39,6 +39,7 @@ is returned by :meth:`DataWaitProfiler.report`.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import time
@@ -79,6 +80,10 @@ _UNUSED_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_validati
 class _Stage:
     """Timing state and per-step rows of one stage ("train" or "validate")."""
 
+    # Slots: the fields a step touches sit together in a few cache lines, read without a dict lookup.
+    __slots__ = ("name", "rows", "history", "epochs", "epoch_times", "samples", "pending", "fetch", "transfer",
+                 "prev_end", "epoch_start", "prev_event", "resolved", "logged")
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.rows: list[Sequence[float]] = []  # this epoch, this rank (tuples on a CPU, lists on a GPU)
@@ -97,6 +102,25 @@ class _Stage:
         self.prev_event: Any = None
         self.pending.clear()
         self.resolved = self.logged = 0
+
+
+class _Hot:
+    """The profiler state every step reads or writes, in one small object next to :class:`_Stage`.
+
+    The callback's own ``__dict__`` holds dozens of attributes (Lightning's hooks set to None
+    among them); the wrappers run between the model's own work, with cold caches, so they
+    touch this instead.
+    """
+
+    __slots__ = ("active", "fetch_t0", "fetch_end", "log_every", "cuda", "capture")
+
+    def __init__(self) -> None:
+        self.active: _Stage | None = None
+        self.fetch_t0 = 0.0
+        self.fetch_end: float | None = None
+        self.log_every = 0
+        self.cuda = False
+        self.capture = False  # replay mode still collecting batches
 
 
 class DataWaitProfiler(Callback):
@@ -129,18 +153,31 @@ class DataWaitProfiler(Callback):
         self.max_pending = max_pending
         self.print_report = print_report
         self._train, self._val = _Stage("train"), _Stage("validate")
-        self._active: _Stage | None = None
-        self._cuda = False
+        self._hot = _Hot()
         self._patches: list[tuple[object, str, Any]] = []
-        self._fetch_t0 = 0.0
-        self._fetch_end: float | None = None
-        self._log_every = 0
         self._captured: list[Any] = []
         self._replay: dict[str, Any] | None = None
         self._context: dict[str, Any] = {}
         # FastDataCallback(profile=False) wraps nothing and times nothing (see _disable).
         self._enabled = True
         _skip_dispatch(self, _UNUSED_STEP_HOOKS, Callback)
+
+    # What the hooks (not the per-step wrappers) read and write, kept in ``_hot``.
+    @property
+    def _active(self) -> _Stage | None:
+        return self._hot.active
+
+    @_active.setter
+    def _active(self, stage: _Stage | None) -> None:
+        self._hot.active = stage
+
+    @property
+    def _cuda(self) -> bool:
+        return self._hot.cuda
+
+    @_cuda.setter
+    def _cuda(self, value: bool) -> None:
+        self._hot.cuda = value
 
     def _disable(self) -> None:
         """Stop timing: :meth:`setup` then wraps nothing."""
@@ -191,25 +228,25 @@ class DataWaitProfiler(Callback):
     # The wrappers run every step: locals over attributes, one clock read per boundary.
 
     def _wrap_before_fetch(self, original: Callable[[], None] | None) -> Callable[[], None]:
-        clock = self.clock
+        clock, hot = self.clock, self._hot
         if original is None:
             def before_fetch() -> None:
-                self._fetch_t0 = clock()
+                hot.fetch_t0 = clock()
         else:
             def before_fetch() -> None:
                 original()
-                self._fetch_t0 = clock()
+                hot.fetch_t0 = clock()
         return before_fetch
 
     def _wrap_after_fetch(self, original: Callable[[], None] | None) -> Callable[[], None]:
-        clock = self.clock
+        clock, hot = self.clock, self._hot
 
         def after_fetch() -> None:
             now = clock()
-            stage = self._active
+            stage = hot.active
             if stage is not None:
-                stage.fetch += now - self._fetch_t0
-            self._fetch_end = now
+                stage.fetch += now - hot.fetch_t0
+            hot.fetch_end = now
             if original is not None:
                 original()
         return after_fetch
@@ -217,15 +254,15 @@ class DataWaitProfiler(Callback):
     def _wrap_transfer(self, original: Callable[..., Any]) -> Callable[..., Any]:
         # Timed from the end of the fetch: the loop's convert_input and on_before_batch_transfer
         # run between the two, and are data preparation too.
-        clock = self.clock
+        clock, hot = self.clock, self._hot
 
         def transfer(*args: Any, **kwargs: Any) -> Any:
-            t0 = self._fetch_end
+            t0 = hot.fetch_end
             if t0 is None:  # called outside the loop's fetch-then-transfer sequence
                 t0 = clock()
             out = original(*args, **kwargs)
-            self._fetch_end = None
-            stage = self._active
+            hot.fetch_end = None
+            stage = hot.active
             if stage is not None:
                 stage.transfer += clock() - t0
             return out
@@ -240,13 +277,13 @@ class DataWaitProfiler(Callback):
         A step that takes a ``dataloader_iter`` gets the iterator instead; the loop's data
         fetcher then holds the batch it took.
         """
-        clock, train = self.clock, stage is self._train
+        clock, hot, train = self.clock, self._hot, stage is self._train
         fit_loop = trainer.fit_loop
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            if self._active is not stage:
+            if hot.active is not stage:
                 return original(*args, **kwargs)
-            event = self._record() if self._cuda else None
+            event = self._record() if hot.cuda else None
             wait0 = stage.fetch + stage.transfer
             start = clock()
             out = original(*args, **kwargs)
@@ -257,11 +294,18 @@ class DataWaitProfiler(Callback):
                 batch = args[0] if args and not hasattr(type(args[0]), "__next__") else None
             if batch is None:
                 batch = _fetched_batch(fit_loop if train else _eval_loop(trainer))
-            elif train and self.replay_steps and len(self._captured) < self.replay_batches:
+            elif train and hot.capture:
                 self._captured.append(batch)
-            # _batch_len's common case inlined (a list or tuple of tensors).
+                hot.capture = len(self._captured) < self.replay_batches
+            # _batch_len's common case inlined (a list or tuple of tensors): one tensor attribute read.
             first = batch[0] if (type(batch) is list or type(batch) is tuple) and batch else None
-            n = first.shape[0] if type(first) is torch.Tensor and first.ndim else _batch_len(batch)
+            if type(first) is torch.Tensor:
+                try:
+                    n = first.shape[0]
+                except IndexError:  # a 0-d tensor: one sample
+                    n = 1
+            else:
+                n = _batch_len(batch)
             fetch, transfer = stage.fetch, stage.transfer
             wait, step_s = fetch + transfer, now - stage.prev_end
             if event is None:
@@ -275,7 +319,7 @@ class DataWaitProfiler(Callback):
             stage.fetch = stage.transfer = 0.0
             stage.prev_end = now
             if train:
-                every = self._log_every  # set once per epoch
+                every = hot.log_every  # set once per epoch
                 if every and (fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0:
                     self._log_interval(trainer, stage)
             return out
@@ -291,7 +335,8 @@ class DataWaitProfiler(Callback):
             return
         self._train.new_epoch(self.clock())
         self._active = self._train
-        self._log_every = trainer.log_every_n_steps if trainer.loggers else 0
+        self._hot.log_every = trainer.log_every_n_steps if trainer.loggers else 0
+        self._hot.capture = bool(self.replay_steps) and len(self._captured) < self.replay_batches
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stage = self._train
@@ -531,9 +576,11 @@ class DataWaitProfiler(Callback):
 
 
 def summarize(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
-    """Totals, shares, and mean/p50/p95 in ms of step, data wait, compute and overhead."""
+    """Totals, shares, and mean/p50/p95 in ms of step, data wait, compute and overhead (rows of 8 columns)."""
     out: dict[str, Any] = {"steps": len(rows)}
-    arr = np.asarray([r[:SAMPLES] for r in rows], dtype=np.float64).reshape(len(rows), SAMPLES)
+    # fromiter over the flat rows: np.asarray would inspect every float of every row (epoch end, all rows).
+    flat = itertools.chain.from_iterable(rows)
+    arr = np.fromiter(flat, dtype=np.float64, count=len(rows) * (SAMPLES + 1)).reshape(len(rows), SAMPLES + 1)
     total = float(arr[:, STEP].sum())
     for name, col in _FIGURES:
         v = arr[:, col]
