@@ -40,10 +40,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _batch_len(batch: Any) -> int:
-    while isinstance(batch, (list, tuple, dict)):
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) and batch.ndim else 1
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first array (through tuples, lists, dicts); else 1."""
+    node = batch
+    while isinstance(node, (tuple, list, dict)):
+        if not node:
+            return 1
+        node = next(iter(node.values())) if isinstance(node, dict) else node[0]
+    return int(node.shape[0]) if hasattr(node, "shape") and len(node.shape) else 1
 
 
 def time_loader(loader: Iterable[Any], device: torch.device | str = "cpu", batches: int = TIMED_BATCHES,
@@ -74,7 +78,7 @@ def time_loader(loader: Iterable[Any], device: torch.device | str = "cpu", batch
                     _sync(device)
                     start = time.perf_counter()
                 continue
-            samples += _batch_len(batch)
+            samples += batch_len(batch)
             if drawn >= w + batches:
                 break
         _sync(device)

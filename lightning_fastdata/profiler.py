@@ -56,6 +56,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata import distributed as D
+from lightning_fastdata.autotune import batch_len
 from lightning_fastdata.plan import fmt_bytes
 
 _NAN = math.nan
@@ -297,7 +298,7 @@ class DataWaitProfiler(Callback):
             elif train and hot.capture:
                 self._captured.append(batch)
                 hot.capture = len(self._captured) < self.replay_batches
-            # _batch_len's common case inlined (a list or tuple of tensors): one tensor attribute read.
+            # batch_len's common case inlined (a list or tuple of tensors): one tensor attribute read.
             first = batch[0] if (type(batch) is list or type(batch) is tuple) and batch else None
             if type(first) is torch.Tensor:
                 try:
@@ -305,7 +306,7 @@ class DataWaitProfiler(Callback):
                 except IndexError:  # a 0-d tensor: one sample
                     n = 1
             else:
-                n = _batch_len(batch)
+                n = batch_len(batch)
             fetch, transfer = stage.fetch, stage.transfer
             wait, step_s = fetch + transfer, now - stage.prev_end
             if event is None:
@@ -768,18 +769,3 @@ def _fetched_batch(loop: Any) -> Any:
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _batch_len(batch: Any) -> int:
-    if type(batch) in (tuple, list) and batch:  # the common case, fast: this runs every step
-        first = batch[0]
-        if isinstance(first, torch.Tensor):
-            shape = first.shape
-            if shape:
-                return shape[0]
-    node = batch
-    while isinstance(node, (tuple, list, dict)):
-        if not node:
-            return 1
-        node = next(iter(node.values())) if isinstance(node, dict) else node[0]
-    return int(node.shape[0]) if hasattr(node, "shape") and len(node.shape) else 1

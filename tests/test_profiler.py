@@ -357,18 +357,28 @@ class _SimulatedEvent:
         return 1e3 * (end.t - self.t)
 
 
+def _simulate_cuda(monkeypatch, clock: FakeClock, lag: int) -> None:
+    """``torch.cuda.Event`` becomes :class:`_SimulatedEvent` on ``clock``, on a fresh stream."""
+    _SimulatedEvent.clock, _SimulatedEvent.recorded, _SimulatedEvent.blocking_waits = clock, [], 0
+    _SimulatedEvent.done_through, _SimulatedEvent.lag = -1, lag
+    monkeypatch.setattr(torch.cuda, "Event", _SimulatedEvent)
+
+
+class _OnDevice(DataWaitProfiler):
+    """The profiler taking its GPU code path on a CPU Trainer (with :func:`_simulate_cuda`)."""
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        self._cuda = True
+
+
 def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
     """The GPU code path (lazy event reads, idle gap, gpu_idle_frac) with events on the fake clock."""
     clock = FakeClock()
-    _SimulatedEvent.clock, _SimulatedEvent.recorded, _SimulatedEvent.blocking_waits = clock, [], 0
-    _SimulatedEvent.done_through, _SimulatedEvent.lag = -1, 2
-    monkeypatch.setattr(torch.cuda, "Event", _SimulatedEvent)
+    _simulate_cuda(monkeypatch, clock, lag=2)
 
-    class OnDevice(DataWaitProfiler):
-        def setup(self, trainer, pl_module, stage):
-            super().setup(trainer, pl_module, stage)
-            self._cuda = True
-            self.resolved_at_end: list[int] = []
+    class OnDevice(_OnDevice):
+        resolved_at_end: list[int] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -396,15 +406,9 @@ def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
 def test_a_device_far_behind_is_drained_with_one_wait(tmp_path, monkeypatch):
     """Three steps still running at epoch end: one wait for the newest, then the rest read without blocking."""
     clock = FakeClock()
-    _SimulatedEvent.clock, _SimulatedEvent.recorded, _SimulatedEvent.blocking_waits = clock, [], 0
-    _SimulatedEvent.done_through, _SimulatedEvent.lag = -1, 6  # an event completes 3 steps later
-    monkeypatch.setattr(torch.cuda, "Event", _SimulatedEvent)
+    _simulate_cuda(monkeypatch, clock, lag=6)  # an event completes 3 steps later
 
-    class OnDevice(DataWaitProfiler):
-        def setup(self, trainer, pl_module, stage):
-            super().setup(trainer, pl_module, stage)
-            self._cuda = True
-
+    class OnDevice(_OnDevice):
         def on_train_epoch_end(self, trainer, pl_module):
             self.pending_at_end = len(self._train.pending)
             super().on_train_epoch_end(trainer, pl_module)
