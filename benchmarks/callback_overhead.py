@@ -3,22 +3,28 @@
 Three arms train the same tiny model on an in-memory dataset, so that the step is as
 short as Lightning allows (the worst case for a per-step profiler): without any added
 callback, with a no-op ``Callback`` (what Lightning's hook dispatch costs any callback,
-for scale) and with ``FastDataCallback``. Every run is a fresh process: a warm-up fit,
-then ``--fits`` fits of ``--steps`` steps, and the median step of each (the median
-filters the preemption spikes of a shared machine); arms alternate, in rotating order,
-``--processes`` times.
+for scale) and with ``FastDataCallback``. Models: ``linear`` (one Linear layer, the
+shortest step Lightning runs) and ``cnn`` (two small convolutions, a tiny but real model).
 
-Why fresh processes: on this machine a process's memory layout (randomised per process)
-moves a 0.7 ms step by about +-1.5%, and arms compared inside one process inherit that
-process's bias, so that variants doing strictly less work measured slower. Across
-processes the bias is random and the median over processes cancels it. The headline
-overhead is the median step with the callback over the median step without it, less 1,
-with a bootstrap 95% interval over processes. Two figures free of that noise come with
-it: the callback's own code per step in a tight loop (``hot_path``) and what Lightning's
-dispatch of one hook to one callback costs (``dispatch``); ``callback_instructions.py``
-counts instructions. Writes JSON to ``benchmarks/results/callback_overhead.json``.
+Every process is fresh and runs every arm: a warm-up fit per arm, then ``--rounds``
+rounds of one fit per arm (order reversed every round, first arm rotated between
+processes); each fit's figure is its median step (the median filters the preemption
+spikes of a shared machine). Per process, the overhead is the arm's median over its fits
+against the no-callback arm's, less 1; the headline is the median of that ratio over
+``--processes`` processes, with a bootstrap 95% interval.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/callback_overhead.py --processes 24
+Why this design: a process's memory layout (randomised per process) moves a 0.7 ms step
+by about +-1.5%, and the machine drifts over minutes (the small CNN's step moved between
+3.3 and 6.0 ms across processes). Both cancel inside a process, where the arms run within
+seconds of each other; the arm-specific part of the layout bias is random across
+processes and the median over processes averages it out. Comparing arms run in separate
+processes, as earlier versions did, left a +-1% interval on the 0.7 ms step. Two figures
+free of that noise come with it: the callback's own code per step in a tight loop
+(``hot_path``) and what Lightning's dispatch of one hook to one callback costs
+(``dispatch``); ``callback_instructions.py`` counts instructions. Writes JSON to
+``benchmarks/results/callback_overhead.json``.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/callback_overhead.py --processes 40
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastdata import FastDataCallback
+from lightning_fastdata.profiler import _AUTO
 
 
 class Tiny(L.LightningModule):
@@ -69,6 +76,8 @@ class Tiny(L.LightningModule):
 
 
 SHAPES = {"linear": (32,), "cnn": (3, 16, 16)}
+#: Steps per fit: about 0.3 s of steps for either model.
+STEPS = {"linear": 400, "cnn": 200}
 
 
 class StepTimer(L.Callback):
@@ -116,58 +125,79 @@ def run(steps: int, arm: str, root: str, kind: str = "linear") -> tuple[float, f
     return timer.step_s, timer.mean_step_s
 
 
-def child(arm: str, kind: str, steps: int, fits: int) -> None:
-    """One process of one arm: a warm-up fit, then ``fits`` timed fits; prints (median, mean) step as JSON."""
+def child(order: list[str], kind: str, steps: int, rounds: int) -> None:
+    """One process, every arm: a warm-up fit per arm, then ``rounds`` rounds of one fit per arm.
+
+    The arm order reverses every round (ABC CBA ABC ...), so that a drift within the process
+    falls on every arm alike. Prints each arm's (median step, mean step) per fit as JSON.
+    """
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    out: dict[str, dict[str, list[float]]] = {arm: {"step_s": [], "mean_step_s": []} for arm in order}
     with tempfile.TemporaryDirectory() as root:
-        run(max(20, steps // 4), arm, root, kind)  # imports, allocator, first-call costs
-        runs = [run(steps, arm, root, kind) for _ in range(fits)]
-    print(json.dumps({"step_s": statistics.median(r[0] for r in runs),
-                      "mean_step_s": statistics.median(r[1] for r in runs)}))
+        for arm in order:
+            run(max(20, steps // 4), arm, root, kind)  # imports, allocator, first-call costs
+        for r in range(rounds):
+            for arm in order if r % 2 == 0 else order[::-1]:
+                median_s, mean_s = run(steps, arm, root, kind)
+                out[arm]["step_s"].append(median_s)
+                out[arm]["mean_step_s"].append(mean_s)
+    print(json.dumps(out))
 
 
-def _spawn(arm: str, kind: str, steps: int, fits: int) -> dict:
+def _spawn(order: list[str], kind: str, steps: int, rounds: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--child", arm, kind, str(steps), str(fits)]
+    cmd = [sys.executable, __file__, "--child", ",".join(order), kind, str(steps), str(rounds)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{arm}/{kind} run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{kind} run {order} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _ratio_interval(with_: list[float], without: list[float], draws: int = 4000) -> tuple[float, float]:
-    """Bootstrap 95% interval of median(with) / median(without) - 1, resampling processes."""
+def _median_interval(values: list[float], draws: int = 4000) -> tuple[float, float]:
+    """Bootstrap 95% interval of the median of ``values`` (one per process), resampling processes."""
     rng = np.random.default_rng(0)
-    a, b = np.asarray(with_), np.asarray(without)
-    ratios = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) - 1 for _ in range(draws)]
-    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    a = np.asarray(values)
+    lo, hi = np.percentile(np.median(rng.choice(a, (draws, a.size)), axis=1), [2.5, 97.5])
     return float(lo), float(hi)
 
 
-def measure(kind: str, steps: int, fits: int, processes: int) -> dict:
-    """Median step of each arm over ``processes`` fresh processes, arms in rotating order."""
-    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    means: dict[str, list[float]] = {arm: [] for arm in ARMS}
+def measure(kind: str, steps: int, rounds: int, processes: int) -> dict:
+    """Per process, each arm's median step over its fits and its ratio to the arm without a callback.
+
+    The headline is the median over processes of that within-process ratio, less 1: each
+    process's layout bias (about +-1.5% of the step, see the module docstring) moves both
+    sides of the ratio and cancels, while the per-arm part of it is random across processes.
+    """
+    steps_by_arm: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    means_by_arm: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for p in range(processes):
-        for arm in ARMS[p % len(ARMS):] + ARMS[:p % len(ARMS)]:
-            out = _spawn(arm, kind, steps, fits)
-            times[arm].append(out["step_s"])
-            means[arm].append(out["mean_step_s"])
-    base, noop, prof = (statistics.median(times[a]) for a in ARMS)
-    mean_base, mean_prof = statistics.median(means["without"]), statistics.median(means["fastdata"])
-    lo, hi = _ratio_interval(times["fastdata"], times["without"])
-    noop_lo, noop_hi = _ratio_interval(times["noop_callback"], times["without"])
+        order = list(ARMS[p % len(ARMS):] + ARMS[:p % len(ARMS)])  # no arm always runs first
+        out = _spawn(order, kind, steps, rounds)
+        for arm in ARMS:
+            steps_by_arm[arm].append(statistics.median(out[arm]["step_s"]))
+            means_by_arm[arm].append(statistics.median(out[arm]["mean_step_s"]))
+
+    def paired(by_arm: dict[str, list[float]], arm: str) -> list[float]:
+        return [w / b - 1 for w, b in zip(by_arm[arm], by_arm["without"], strict=True)]
+
+    ratios, noop_ratios, mean_ratios = (paired(steps_by_arm, "fastdata"), paired(steps_by_arm, "noop_callback"),
+                                        paired(means_by_arm, "fastdata"))
+    base, noop, prof = (statistics.median(steps_by_arm[a]) for a in ARMS)
+    overhead = statistics.median(ratios)
     return {
-        "steps": steps, "fits_per_process": fits, "processes": processes,
+        "steps": steps, "rounds_per_process": rounds, "processes": processes,
         "step_ms_without": 1e3 * base, "step_ms_noop_callback": 1e3 * noop, "step_ms_with": 1e3 * prof,
-        "overhead_frac": (prof - base) / base, "overhead_frac_ci95": [lo, hi],
-        "overhead_us_per_step": 1e6 * (prof - base),
-        "lightning_dispatch_frac": (noop - base) / base, "lightning_dispatch_frac_ci95": [noop_lo, noop_hi],
-        "mean_step_ms_without": 1e3 * mean_base, "mean_step_ms_with": 1e3 * mean_prof,
-        "mean_overhead_frac": (mean_prof - mean_base) / mean_base,
-        "runs_step_ms": {a: [1e3 * v for v in times[a]] for a in ARMS},
-        "runs_mean_step_ms": {a: [1e3 * v for v in means[a]] for a in ARMS},
+        "overhead_frac": overhead, "overhead_frac_ci95": list(_median_interval(ratios)),
+        "overhead_us_per_step": 1e6 * overhead * base,
+        "processes_over_1pct": sum(r >= 0.01 for r in ratios),
+        "lightning_dispatch_frac": statistics.median(noop_ratios),
+        "lightning_dispatch_frac_ci95": list(_median_interval(noop_ratios)),
+        "mean_overhead_frac": statistics.median(mean_ratios),
+        "mean_overhead_frac_ci95": list(_median_interval(mean_ratios)),
+        "unpaired_overhead_frac": prof / base - 1,
+        "runs_step_ms": {a: [1e3 * v for v in steps_by_arm[a]] for a in ARMS},
+        "runs_mean_step_ms": {a: [1e3 * v for v in means_by_arm[a]] for a in ARMS},
     }
 
 
@@ -224,7 +254,8 @@ def hot_path_us(calls: int = 20000, repeats: int = 7) -> dict:
         def empty_run(optimizer: object, batch_idx: int, kwargs: dict) -> None:
             return None
 
-        timed_run = cb._wrap_step(empty_run, trainer, cb._train)  # what setup() puts on automatic_optimization.run
+        # What setup() puts on automatic_optimization.run.
+        timed_run = cb._wrap_step(empty_run, trainer, cb._train, _AUTO)
 
         def wrapped() -> None:
             loop._on_before_fetch()
@@ -256,16 +287,17 @@ def hot_path_us(calls: int = 20000, repeats: int = 7) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--fits", type=int, default=2, help="timed fits per process")
-    parser.add_argument("--processes", type=int, default=24, help="fresh processes per arm")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps per fit (default: {', '.join(f'{k} {v}' for k, v in STEPS.items())})")
+    parser.add_argument("--rounds", type=int, default=3, help="timed fits per arm per process")
+    parser.add_argument("--processes", type=int, default=40, help="fresh processes, each running every arm")
     parser.add_argument("--models", nargs="+", default=["linear", "cnn"], choices=sorted(SHAPES))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "callback_overhead.json"))
-    parser.add_argument("--child", nargs=4, metavar=("ARM", "MODEL", "STEPS", "FITS"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("ARMS", "MODEL", "STEPS", "ROUNDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        arm, kind, steps, fits = args.child
-        child(arm, kind, int(steps), int(fits))
+        arms, kind, steps, rounds = args.child
+        child(arms.split(","), kind, int(steps), int(rounds))
         return
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -278,14 +310,15 @@ def main() -> None:
           f"step a no-op Callback receives {len(disp['noop_callback_step_hooks'])} hooks, FastDataCallback "
           f"{len(disp['fastdata_step_hooks'])} ({', '.join(disp['fastdata_step_hooks']) or 'none'})")
     for kind in args.models:
-        r = result["models"][kind] = measure(kind, args.steps, args.fits, args.processes)
+        r = result["models"][kind] = measure(kind, args.steps or STEPS[kind], args.rounds, args.processes)
         r["hot_path_frac"] = hot["added_us_per_step"] / (1e3 * r["step_ms_without"])
         lo, hi = r["overhead_frac_ci95"]
         print(f"{kind}: step {r['step_ms_without']:.3f} ms without, {r['step_ms_with']:.3f} ms with "
               f"FastDataCallback: overhead {100 * r['overhead_frac']:+.2f}% of the step "
               f"(95% interval {100 * lo:+.2f}% to {100 * hi:+.2f}%; {r['overhead_us_per_step']:+.1f} us; every step "
-              f"counted, logging ones included: {100 * r['mean_overhead_frac']:+.2f}%), medians over "
-              f"{r['processes']} processes x {r['fits_per_process']} fits of {r['steps']} steps")
+              f"counted, logging ones included: {100 * r['mean_overhead_frac']:+.2f}%), median over "
+              f"{r['processes']} processes of the within-process ratio ({r['rounds_per_process']} fits of "
+              f"{r['steps']} steps per arm each); {r['processes_over_1pct']} processes at or over 1%")
         nlo, nhi = r["lightning_dispatch_frac_ci95"]
         print(f"    for scale: a no-op Callback costs {100 * r['lightning_dispatch_frac']:+.2f}% "
               f"({100 * nlo:+.2f}% to {100 * nhi:+.2f}%; Lightning's hook dispatch); FastDataCallback's own code "

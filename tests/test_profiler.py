@@ -479,3 +479,38 @@ def test_unused_per_step_hooks_are_not_dispatched_but_overrides_are(tmp_path):
     assert plain.report()["steps"] == 4  # the timing hooks still run
     make_trainer(tmp_path, callbacks=[custom]).fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
     assert custom.zero_grads == 4 and custom.report()["steps"] == 4
+
+
+@pytest.mark.parametrize("signature", ["batch", "batch_idx", "dataloader_idx"])
+def test_every_validation_step_signature_is_timed_and_gets_its_arguments(tmp_path, signature):
+    """Lightning passes validation_step only the arguments it declares; the timed step passes them on."""
+    clock = FakeClock()
+    seen: list[tuple] = []
+
+    class Model(SpendingModel):
+        if signature == "batch":
+            def validation_step(self, batch):
+                seen.append((len(batch[0]),))
+                self.val_step()
+        elif signature == "batch_idx":
+            def validation_step(self, batch, batch_idx):
+                seen.append((len(batch[0]), batch_idx))
+                self.val_step()
+        else:
+            def validation_step(self, batch, batch_idx, dataloader_idx=0):
+                seen.append((len(batch[0]), batch_idx, dataloader_idx))
+                self.val_step()
+
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    model = Model(Spend(COMPUTE, clock), None, Spend(COMPUTE / 2, clock))
+    loaders = [loader(8, 4, Spend(FETCH, clock))]
+    if signature == "dataloader_idx":
+        loaders.append(loader(4, 2, Spend(FETCH, clock)))
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[prof], num_sanity_val_steps=0)
+    trainer.validate(model, loaders, verbose=False)
+    expected = {"batch": [(4,), (4,)], "batch_idx": [(4, 0), (4, 1)],
+                "dataloader_idx": [(4, 0, 0), (4, 1, 0), (2, 0, 1), (2, 1, 1)]}[signature]
+    assert seen == expected
+    val = prof.report()["stages"]["validate"]
+    assert val["steps"] == len(expected) and val["samples"] == sum(s[0] for s in expected)
+    assert val["compute_s"] == len(expected) * COMPUTE / 2 and val["data_wait_s"] == len(expected) * FETCH
