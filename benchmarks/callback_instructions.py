@@ -38,27 +38,13 @@ def child(arm: str, steps: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import lightning as L
     import torch
-    from callback_overhead import SHAPES, Tiny
-    from lightning.pytorch.loggers import CSVLogger
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_fastdata import FastDataCallback
+    from callback_overhead import fit
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(steps * 64, *SHAPES["linear"], generator=g),
-                         torch.randint(0, 10, (steps * 64,), generator=g))
-    callbacks = {"without": [], "noop_callback": [L.Callback()],
-                 "fastdata": [FastDataCallback(print_report=False)],
-                 "fastdata_no_profile": [FastDataCallback(print_report=False, profile=False)]}[arm]
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=CSVLogger(root), log_every_n_steps=50,
-                            callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=root)
-        trainer.fit(Tiny("linear"), DataLoader(data, batch_size=64, shuffle=True))
+        fit(steps, arm, root)
 
 
 def count(arm: str, steps: int, workdir: str) -> int:

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lightning as L
@@ -110,18 +111,30 @@ class StepTimer(L.Callback):
 ARMS = ("without", "noop_callback", "fastdata")
 
 
-def run(steps: int, arm: str, root: str, kind: str = "linear") -> tuple[float, float]:
-    """One fit of ``steps`` steps: (median step, mean step) in seconds."""
+#: The callbacks each arm adds (``fastdata_no_profile`` is counted by ``callback_instructions.py`` only).
+ARM_CALLBACKS: dict[str, Callable[[], list[L.Callback]]] = {
+    "without": lambda: [],
+    "noop_callback": lambda: [L.Callback()],
+    "fastdata": lambda: [FastDataCallback(print_report=False)],
+    "fastdata_no_profile": lambda: [FastDataCallback(print_report=False, profile=False)],
+}
+
+
+def fit(steps: int, arm: str, root: str, kind: str = "linear", extra: Sequence[L.Callback] = ()) -> None:
+    """One fit of the tiny ``kind`` model for ``steps`` steps with ``arm``'s callbacks, then ``extra``."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(steps * 64, *SHAPES[kind], generator=g),
                          torch.randint(0, 10, (steps * 64,), generator=g))
-    timer = StepTimer()
-    extra = {"without": [], "noop_callback": [L.Callback()], "fastdata": [FastDataCallback(print_report=False)]}
-    callbacks = extra[arm]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=CSVLogger(root), log_every_n_steps=50,
-                        callbacks=[*callbacks, timer], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=root)
+                        callbacks=[*ARM_CALLBACKS[arm](), *extra], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
     trainer.fit(Tiny(kind), DataLoader(data, batch_size=64, shuffle=True))
+
+
+def run(steps: int, arm: str, root: str, kind: str = "linear") -> tuple[float, float]:
+    """One timed fit of ``steps`` steps: (median step, mean step) in seconds."""
+    timer = StepTimer()
+    fit(steps, arm, root, kind, extra=[timer])
     return timer.step_s, timer.mean_step_s
 
 

@@ -168,27 +168,10 @@ class DataWaitProfiler(Callback):
         self._enabled = True
         _skip_dispatch(self, _UNUSED_STEP_HOOKS, Callback)
 
-    # What the hooks (not the per-step wrappers) read and write, kept in ``_hot``.
-    @property
-    def _active(self) -> _Stage | None:
-        return self._hot.active
-
-    @_active.setter
-    def _active(self, stage: _Stage | None) -> None:
-        self._hot.active = stage
-
-    @property
-    def _cuda(self) -> bool:
-        return self._hot.cuda
-
-    @_cuda.setter
-    def _cuda(self, value: bool) -> None:
-        self._hot.cuda = value
-
     def _disable(self) -> None:
         """Stop timing: :meth:`setup` then wraps nothing."""
         self._enabled = False
-        self._active = None
+        self._hot.active = None
 
     # ------------------------------------------------------------------ installation
 
@@ -202,7 +185,7 @@ class DataWaitProfiler(Callback):
                            "Trainer; this one stays idle. Keep one of them (FastDataCallback includes the profiler).")
             self._disable()
             return
-        self._cuda = trainer.strategy.root_device.type == "cuda"
+        self._hot.cuda = trainer.strategy.root_device.type == "cuda"
         # Lightning's own fetch hooks only feed trainer.profiler; with the default no-op profiler
         # they are skipped, so that the timed fetch costs no more than the untimed one.
         quiet = type(trainer.profiler) is PassThroughProfiler
@@ -223,7 +206,7 @@ class DataWaitProfiler(Callback):
         for obj, name, old in reversed(self._patches):
             _restore(obj, name, old)
         self._patches.clear()
-        self._active = None
+        self._hot.active = None
 
     def _patch(self, obj: object, name: str, wrapper: Callable[..., Any]) -> None:
         # Never read obj.__dict__: on CPython 3.11+ that materialises the instance dict and
@@ -353,7 +336,7 @@ class DataWaitProfiler(Callback):
         if not self._enabled:
             return
         self._train.new_epoch(self.clock())
-        self._active = self._train
+        self._hot.active = self._train
         self._hot.n = None
         self._hot.log_every = trainer.log_every_n_steps if trainer.loggers else 0
         self._hot.capture = bool(self.replay_steps) and len(self._captured) < self.replay_batches
@@ -365,7 +348,7 @@ class DataWaitProfiler(Callback):
         if stage.epoch_start is not None:
             stage.epoch_times.append(self.clock() - stage.epoch_start)
         self._finish_epoch(trainer, stage, "fastdata/epoch/")
-        self._active = None
+        self._hot.active = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.replay_steps and self._captured:
@@ -382,14 +365,14 @@ class DataWaitProfiler(Callback):
     # ------------------------------------------------------------------ validation hooks
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._active = None if trainer.sanity_checking or not self._enabled else self._val
+        self._hot.active = None if trainer.sanity_checking or not self._enabled else self._val
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._active is self._val:
+        if self._hot.active is self._val:
             self._val.new_epoch(self.clock())
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._active is self._val:
+        if self._hot.active is self._val:
             stage = self._val
             if stage.epoch_start is not None:
                 stage.epoch_times.append(self.clock() - stage.epoch_start)
@@ -398,10 +381,10 @@ class DataWaitProfiler(Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._enabled and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             # Validation inside fit: the next training step starts now, not before validation.
-            self._active = self._train
+            self._hot.active = self._train
             self._train.prev_end = self.clock()
         else:
-            self._active = None
+            self._hot.active = None
 
     # ------------------------------------------------------------------ per step
 
@@ -456,7 +439,7 @@ class DataWaitProfiler(Callback):
         metrics = {"fastdata/data_wait_ms": 1e3 * wait, "fastdata/compute_ms": 1e3 * compute,
                    "fastdata/overhead_ms": 1e3 * overhead, "fastdata/step_ms": 1e3 * step,
                    "fastdata/data_wait_frac": wait / step if step > 0 else 0.0}
-        if self._cuda:
+        if self._hot.cuda:
             metrics["fastdata/gpu_idle_frac"] = idle / (idle + compute) if idle + compute > 0 else 0.0
         _log(trainer, metrics)
 
@@ -468,7 +451,7 @@ class DataWaitProfiler(Callback):
             k = D.all_reduce_min(len(rows))
             flat = D.all_reduce_max_list([0.0 if math.isnan(v) else v for r in rows[:k] for v in r[:SAMPLES]])
             rows = [[*flat[i * SAMPLES:(i + 1) * SAMPLES], rows[i][SAMPLES]] for i in range(k)]
-            if not self._cuda:
+            if not self._hot.cuda:
                 for r in rows:
                     r[IDLE] = math.nan
         stage.rows = []
@@ -488,12 +471,12 @@ class DataWaitProfiler(Callback):
 
     def _run_replay(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """Optimise on captured device batches only; restore every state it touched."""
-        self._active = None
+        self._hot.active = None
         optimizers = list(trainer.optimizers)
         model_state = copy.deepcopy(pl_module.state_dict())
         opt_states = [copy.deepcopy(o.state_dict()) for o in optimizers]
         cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if self._cuda else None
+        cuda_rng = torch.cuda.get_rng_state_all() if self._hot.cuda else None
         patched = {name: getattr(pl_module, name) for name in ("log", "log_dict")}
         # self.log outside the loop has no result collection to write to; replay logs nothing.
         object.__setattr__(pl_module, "log", _no_log)
@@ -524,7 +507,7 @@ class DataWaitProfiler(Callback):
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
         # Without a per-step synchronize, per-step host times mean nothing on a GPU: use the total.
-        step_s = total / self.replay_steps if self._cuda else float(np.median(times))
+        step_s = total / self.replay_steps if self._hot.cuda else float(np.median(times))
         real = summarize(self._train.history) if self._train.history else None
         out: dict[str, Any] = {"steps": self.replay_steps, "batches": len(self._captured),
                                "step_ms": 1e3 * step_s}
@@ -553,7 +536,7 @@ class DataWaitProfiler(Callback):
         optimizers[0].zero_grad(set_to_none=True)
 
     def _sync(self) -> None:
-        if self._cuda:
+        if self._hot.cuda:
             torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ report
