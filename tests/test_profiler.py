@@ -369,7 +369,7 @@ class _OnDevice(DataWaitProfiler):
 
     def setup(self, trainer, pl_module, stage):
         super().setup(trainer, pl_module, stage)
-        self._cuda = True
+        self._hot.cuda = True
 
 
 def test_cuda_event_path_on_a_simulated_device(tmp_path, monkeypatch):
