@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_fastdata import distributed as D
+from lightning_fastdata._util import batch_len
 from lightning_fastdata.plan import Plan, Resources, _loader_params
 
 #: Batches drawn before timing starts: worker start-up and the first page faults.
@@ -39,15 +40,6 @@ def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def batch_len(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first array (through tuples, lists, dicts); else 1."""
-    node = batch
-    while isinstance(node, (tuple, list, dict)):
-        if not node:
-            return 1
-        node = next(iter(node.values())) if isinstance(node, dict) else node[0]
-    return int(node.shape[0]) if hasattr(node, "shape") and len(node.shape) else 1
 
 
 def time_loader(loader: Iterable[Any], device: torch.device | str = "cpu", batches: int = TIMED_BATCHES,

@@ -24,9 +24,7 @@ import json
 import logging
 import statistics
 import sys
-import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,9 +35,10 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning_utilities.core import rank_zero as rank_zero_module
 
+from lightning_fastdata._util import atomic_write_text, fmt_bytes
 from lightning_fastdata.autotune import shutdown_workers, time_loader
 from lightning_fastdata.datamodule import OptimizedDataModule
-from lightning_fastdata.plan import Plan, PlanError, Resources, decide, fmt_bytes, probe_resources
+from lightning_fastdata.plan import Plan, PlanError, Resources, decide, probe_resources
 
 #: Strategies ``bench`` tries, in the order of the table.
 BENCH_STRATEGIES = ("device", "chunked", "workers")
@@ -377,11 +376,7 @@ def _write_json(report: dict[str, Any], path: str | None, out: Any) -> None:
     if path == "-":
         print(text, file=out)
         return
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{time.time_ns()}.tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(dest)  # atomic: a reader never sees half a report
+    dest = atomic_write_text(path, text + "\n")  # a reader never sees half a report
     print(f"\nwrote {dest}", file=out)
 
 

@@ -42,10 +42,10 @@ from PIL import Image, ImageDraw
 from torch import nn
 
 from lightning_fastdata import augment as A
+from lightning_fastdata._util import pid_alive
 from lightning_fastdata.callbacks import FastDataCallback
 from lightning_fastdata.datamodule import OptimizedDataModule
 from lightning_fastdata.profiler import DataWaitProfiler
-from lightning_fastdata.store import pid_alive
 
 CLASSES = (
     "circle",

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata.plan import LEVELS, Plan, fall_back, fmt_bytes
+from lightning_fastdata._util import fmt_bytes
+from lightning_fastdata.plan import LEVELS, Plan, fall_back
 from lightning_fastdata.store import Store
 
 if TYPE_CHECKING:  # loaders imports this module; import it back only for types

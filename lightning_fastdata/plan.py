@@ -7,13 +7,14 @@ into a :class:`Plan`. Nothing here touches a device or a file.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 import torch
+
+from lightning_fastdata._util import cpu_count, fmt_bytes
 
 STRATEGIES = ("auto", "device", "chunked", "workers")
 #: Placement levels, most device memory first; a failed placement falls back one level.
@@ -23,14 +24,6 @@ CHUNK_CAP_BYTES = 64 << 20
 #: Free device memory kept back for the model, activations and the allocator.
 VRAM_MARGIN_BYTES = 1 << 30
 
-
-def fmt_bytes(n: float) -> str:
-    """Human-readable size, e.g. ``1.4 GB``."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,7 @@ class Resources:
 def probe_resources(device: torch.device | str = "cpu", local_world_size: int = 1) -> Resources:
     """Read the machine: CPU cores (affinity-aware), RAM, this rank's device memory, /dev/shm."""
     device = torch.device(device)
-    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    logical = cpu_count()
     physical = psutil.cpu_count(logical=False) or logical
     physical = min(physical, logical)
     vm = psutil.virtual_memory()

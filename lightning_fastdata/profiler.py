@@ -57,8 +57,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata.autotune import batch_len
-from lightning_fastdata.plan import fmt_bytes
+from lightning_fastdata._util import batch_len, fmt_bytes
 
 _NAN = math.nan
 # Columns of a per-step row.

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata.plan import fmt_bytes
-from lightning_fastdata.store import Store, pid_alive
+from lightning_fastdata._util import fmt_bytes, pid_alive
+from lightning_fastdata.store import Store
 
 #: Where segments live (a tmpfs on Linux).
 SHM_DIR = Path("/dev/shm")

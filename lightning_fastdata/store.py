@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_fastdata._util import pid_alive
+
 FORMAT = "lightning_fastdata.store"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -358,16 +360,6 @@ def open_store(path: str | os.PathLike, verify: bool = True, expect_fingerprint:
         infos.append(info)
     return Store(fields, infos, manifest["spec"], manifest["fingerprint"], path, manifest)
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (one we may not signal counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Path]:
