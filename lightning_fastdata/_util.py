@@ -28,7 +28,9 @@ def batch_len(batch: Any) -> int:
         if not node:
             return 1
         node = next(iter(node.values())) if isinstance(node, dict) else node[0]
-    return int(node.shape[0]) if hasattr(node, "shape") and len(node.shape) else 1
+    if hasattr(node, "shape"):
+        return int(node.shape[0]) if len(node.shape) else 1
+    return len(node) if hasattr(node, "__len__") else 1  # e.g. a FastBatch: its samples
 
 
 def pid_alive(pid: int) -> bool:

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from lightning_fastdata import distributed as D
+from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata._util import batch_len
-from lightning_fastdata.plan import Plan, Resources, _loader_params
+from lightning_fastdata.plan import Plan, Resources, loader_params
 
 #: Batches drawn before timing starts: worker start-up and the first page faults.
 WARMUP_BATCHES = 2
@@ -26,8 +27,8 @@ TIMED_BATCHES = 8
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor of a (nested) batch to ``device``, asynchronously from pinned memory."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+    if isinstance(batch, torch.Tensor) or callable(getattr(batch, "to", None)):
+        return batch.to(device, non_blocking=True)  # a tensor, or a batch that moves itself
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -90,12 +91,8 @@ def shutdown_workers(loader: Any) -> None:
     close = getattr(loader, "close", None)
     if callable(close):
         close()
-        return
-    it = getattr(loader, "_iterator", None)
-    stop = getattr(it, "_shutdown_workers", None)
-    if stop is not None:
-        stop()
-        loader._iterator = None
+    elif loader is not None:
+        shutdown_dataloader_workers(loader)
 
 
 def _len_or(loader: Any, default: int) -> int:
@@ -122,14 +119,14 @@ def measure_num_workers(plan: Plan, resources: Resources, config: dict[str, Any]
     for nw in plan.num_workers_candidates:
         trial = copy.copy(plan)
         trial.reasons = dict(plan.reasons)
-        _loader_params(trial, resources, {**config, "num_workers": nw, "persistent_workers": False})
+        loader_params(trial, resources, {**config, "num_workers": nw, "persistent_workers": False})
         rates[nw] = time_loader(make_loader(trial), device, batches=batches, warmup=warmup)[0]
     # Within 5% is noise: prefer fewer processes (less RAM, less contention with neighbours).
     top = max(rates.values())
     best = min(nw for nw, r in rates.items() if r >= 0.95 * top)
     best = int(D.broadcast_object(best))
     candidates = plan.num_workers_candidates
-    _loader_params(plan, resources, {**config, "num_workers": best})
+    loader_params(plan, resources, {**config, "num_workers": best})
     plan.num_workers_candidates = candidates
     measured = ", ".join(f"{nw}: {r:,.0f}" for nw, r in sorted(rates.items()))
     plan.reasons["num_workers"] = (f"{best}: measured fastest (samples/s by workers {{{measured}}}; "

@@ -38,7 +38,7 @@ from lightning_utilities.core import rank_zero as rank_zero_module
 from lightning_fastdata._util import atomic_write_text, fmt_bytes
 from lightning_fastdata.autotune import shutdown_workers, time_loader
 from lightning_fastdata.datamodule import OptimizedDataModule
-from lightning_fastdata.plan import Plan, PlanError, Resources, decide, probe_resources
+from lightning_fastdata.plan import Plan, PlanError, Resources, decide
 
 #: Strategies ``bench`` tries, in the order of the table.
 BENCH_STRATEGIES = ("device", "chunked", "workers")
@@ -180,15 +180,15 @@ def plan_for(dm: OptimizedDataModule, device: torch.device, local_world_size: in
         PlanError: a forced strategy cannot work here.
     """
     dm.prepare_data()
-    dm._open_splits(("train", "val"))
-    if not dm.stores and not dm._raw:
+    dm.open_splits(("train", "val"))
+    if not dm.stores and not dm.raw_sources:
         raise PlanError(f"{type(dm).__name__}.source('train') and source('val') returned None: nothing to plan")
-    resources = resources or probe_resources(device, local_world_size=local_world_size)
-    nbytes = dm._stores_nbytes()
-    config = dm._plan_config()
+    if resources is None:
+        return dm.make_plan(device, local_world_size, strategy=strategy)
+    config = dm.plan_config()
     if strategy is not None:
         config["strategy"] = strategy
-    return decide(nbytes, resources, config)
+    return decide(None if dm.raw_sources else sum(s.nbytes for s in dm.stores.values()), resources, config)
 
 
 def describe_resources(r: Resources) -> str:
@@ -209,7 +209,7 @@ def describe_stores(dm: OptimizedDataModule) -> list[dict[str, Any]]:
                     "fields": [f"{i.name or 'sample'}: {np.dtype(i.dtype).name}{list(i.shape)}"
                                for i in store.infos],
                     "path": str(store.path) if store.path else None})
-    for split, src in dm._raw.items():
+    for split, src in dm.raw_sources.items():
         out.append({"split": split, "samples": len(src), "nbytes": None, "fields": [],
                     "path": "not stored: loaded per sample"})
     return out
@@ -318,12 +318,10 @@ def _bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device
         dm.num_workers = plan.num_workers  # as planned for local_world_size ranks, not for this process alone
     augment = dm.train_augment
     bar = _progress(strategy, repeats * (warmup + batches), progress)
-    step = [0]
 
     def consume(batch: Any) -> None:
         if augment is not None:
-            dm.augment_batch(batch, augment, step=step[0])
-        step[0] += 1
+            dm.augment_batch(batch, augment)
         if bar is not None:
             bar.update(1)
 

@@ -1,38 +1,39 @@
 """``OptimizedDataModule``: Lightning's hooks, orchestration only.
 
-``prepare_data`` caches every split's static outputs once per node; ``setup`` opens the
-caches, asks :mod:`~lightning_fastdata.plan` where they go and places them; the
-``*_dataloader`` hooks return loaders from :mod:`~lightning_fastdata.loaders`;
-``on_after_batch_transfer`` runs the augmentation on the device with a generator seeded
-from (seed, rank, epoch, batch index).
+``prepare_data`` caches every split's static outputs once per node (:mod:`~lightning_fastdata.store`);
+``setup`` opens the caches, asks :mod:`~lightning_fastdata.plan` where they go and has
+:mod:`~lightning_fastdata.placement` put them there; the ``*_dataloader`` hooks return
+loaders from :mod:`~lightning_fastdata.loaders`, whose batches carry the global indices of
+their samples; ``on_after_batch_transfer`` augments each sample on the device, keyed by
+(seed, epoch, sample index), then runs the LightningModule's own batch hook.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_fastdata import distributed as D
+from lightning_fastdata._lightning import quiet_shared_hook_warnings
 from lightning_fastdata.augment import BatchTransform
 from lightning_fastdata.loaders import (
-    ChunkBuffers,
-    ChunkedLoader,
-    DeviceLoader,
+    BlockOrder,
+    FastBatch,
+    IndexLoader,
     ShardedOrder,
     WorkerLoader,
-    _Loader,
-    _Transformed,
+    flatten_batch,
+    transformed,
 )
-from lightning_fastdata.placement import place
+from lightning_fastdata.placement import ChunkedSource, HostSource, Placement, Sharing, place
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
-from lightning_fastdata.seeding import WorkerSeeding, derive_seed
-from lightning_fastdata.shared import Segment, share_stores, worker_headroom
+from lightning_fastdata.seeding import WorkerSeeding
 from lightning_fastdata.store import (
     Store,
     StoreError,
@@ -41,11 +42,18 @@ from lightning_fastdata.store import (
     fingerprint,
     open_store,
     store_dir,
+    unflatten,
 )
 
 Split = Literal["train", "val", "test", "predict"]
+SPLITS = ("train", "val", "test", "predict")
 _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 _AUTO = "auto"
+_KINDS = ("image", "mask", "other")
+#: The LightningModule hooks that see batches; the datamodule owns them and calls the model's.
+_BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+#: What a checkpoint's data plan must match for a resumed run to see the batches it would have seen.
+_PLAN_KEYS = ("strategy", "chunk_mode", "seed", "shuffle", "drop_last", "batch_size", "fingerprints")
 
 
 def default_cache_dir() -> str:
@@ -87,11 +95,15 @@ class OptimizedDataModule(L.LightningDataModule):
         persistent_workers: Keep workers across epochs ("auto", True, False).
         shuffle: Shuffle the training split every epoch.
         drop_last: Drop the last partial training batch (and truncate rank shards).
-        seed: Base seed of the sample order and of the augmentation streams.
+        seed: Base seed of the sample order and of the augmentation (keyed per sample).
         train_augment: Batched on-device transform for training batches.
         eval_augment: Batched on-device transform for val/test/predict batches.
-        augment_field: Which field the augmentation applies to, by name ("0", "image"):
-            default the sample's first leaf.
+        field_kinds: Kind of each field by name ("image", "mask" or "other"), e.g.
+            ``{"image": "image", "label": "mask"}``; fields not named keep the kind the
+            store recorded (torchvision ``tv_tensors`` types, else the first field is the
+            image and the rest ``other``).
+        augment_field: Shorthand for ``field_kinds={augment_field: "image"}`` with every
+            other field ``other``.
         store: Cache static outputs in a store (False: per-sample loading in workers).
         device: Device to place stores on (default: the Trainer's root device).
         progress: Show progress bars while caching.
@@ -115,6 +127,7 @@ class OptimizedDataModule(L.LightningDataModule):
         seed: int = 0,
         train_augment: BatchTransform | None = None,
         eval_augment: BatchTransform | None = None,
+        field_kinds: dict[str, Literal["image", "mask", "other"]] | None = None,
         augment_field: str | None = None,
         store: bool = True,
         device: str | None = None,
@@ -143,6 +156,15 @@ class OptimizedDataModule(L.LightningDataModule):
             if aug is not None and not callable(aug):
                 raise TypeError(f"{name} must be a callable transform (see lightning_fastdata.augment), "
                                 f"got {type(aug).__name__}")
+        if field_kinds is not None:
+            if not isinstance(field_kinds, dict):
+                raise TypeError(f"field_kinds must be a dict of field name -> kind, got {type(field_kinds).__name__}")
+            for name, kind in field_kinds.items():
+                if kind not in _KINDS:
+                    raise ValueError(f"field_kinds[{name!r}] must be one of {_KINDS}, got {kind!r}")
+        if augment_field is not None and field_kinds is not None:
+            raise ValueError("give field_kinds or augment_field, not both "
+                             "(augment_field=X is field_kinds={X: 'image'})")
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.strategy = strategy
@@ -159,17 +181,22 @@ class OptimizedDataModule(L.LightningDataModule):
         self.seed = seed
         self.train_augment = train_augment
         self.eval_augment = eval_augment
+        self.field_kinds = dict(field_kinds) if field_kinds is not None else None
         self.augment_field = augment_field
         self.use_store = store
         self.device = device
         self.progress = progress
         self.plan: Plan | None = None
         self.stores: dict[str, Store] = {}
+        self.placement: Placement | None = None
         self._raw: dict[str, Any] = {}
-        self._placed: dict[str, list[torch.Tensor]] = {}
-        self._chunks: dict[str, ChunkBuffers] = {}
-        self._loaders: dict[str, _Loader] = {}
-        self._shared: dict[str, Segment] = {}
+        self._loaders: dict[str, Any] = {}
+        self._restored_plan: dict[str, Any] | None = None
+        # dm.hparams shows the whole configuration (the subclass's arguments included);
+        # augmentations by their repr, so checkpoints and loggers get text, not objects.
+        self.save_hyperparameters(ignore=["train_augment", "eval_augment"], logger=False)
+        self.hparams["train_augment"] = repr(train_augment) if train_augment is not None else None
+        self.hparams["eval_augment"] = repr(eval_augment) if eval_augment is not None else None
 
     # ------------------------------------------------------------------ user hooks
 
@@ -183,7 +210,7 @@ class OptimizedDataModule(L.LightningDataModule):
         """Deterministic per-sample preprocessing whose output is cached (identity by default)."""
         return sample
 
-    # ------------------------------------------------------------------ building and placing
+    # ------------------------------------------------------------------ caches
 
     def _sources(self, splits: tuple[str, ...]) -> dict[str, Any]:
         out = {}
@@ -207,7 +234,7 @@ class OptimizedDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Cache every split's static outputs (Lightning runs this once per node)."""
-        for split, src in self._sources(("train", "val", "test", "predict")).items():
+        for split, src in self._sources(SPLITS).items():
             self._store_for(split, src)
 
     def _open(self, split: str, src: Any) -> Store | None:
@@ -222,6 +249,28 @@ class OptimizedDataModule(L.LightningDataModule):
             # Not built yet (setup without prepare_data) or invalid: build it; concurrent
             # builders are safe (unique temporaries, atomic rename).
             return self._store_for(split, src)
+
+    def open_splits(self, splits: tuple[str, ...] = SPLITS) -> dict[str, Store]:
+        """Open (or build) the store of each split with a source; returns the open stores.
+
+        Splits whose samples cannot be stored are loaded per sample (see ``store``).
+        """
+        for split, src in self._sources(splits).items():
+            if split in self.stores or split in self._raw:
+                continue
+            store = self._open(split, src)
+            if store is None:
+                self._raw[split] = src
+            else:
+                self.stores[split] = store
+        return self.stores
+
+    @property
+    def raw_sources(self) -> dict[str, Any]:
+        """Splits whose samples cannot be stored, by split: their sources, loaded per sample."""
+        return dict(self._raw)
+
+    # ------------------------------------------------------------------ plan and placement
 
     def target_device(self) -> torch.device:
         """Where batches are consumed: ``device`` if given, else the Trainer's root device."""
@@ -238,89 +287,6 @@ class OptimizedDataModule(L.LightningDataModule):
             return trainer.global_rank, trainer.world_size
         return D.rank(), D.world_size()
 
-    def setup(self, stage: str | None = None) -> None:
-        """Open the caches of the stage's splits, make the plan, and place the stores."""
-        splits = _STAGE_SPLITS.get(stage or "fit", ("train", "val", "test", "predict"))
-        if stage is None:
-            splits = ("train", "val", "test", "predict")
-        self._open_splits(splits)
-        device = self.target_device()
-        resources = probe_resources(device, local_world_size=self._local_place()[2])
-        nbytes = self._stores_nbytes()
-        batch_sizes = self._batch_sizes()
-        config = self._plan_config()
-        self.plan = plan = decide(nbytes, resources, config)
-        self._share_host_stores()
-        # Place what is not placed yet; an OOM falls back a level, the same on every rank.
-        todo = {s: st for s, st in self.stores.items() if s not in self._placed and s not in self._chunks}
-        placement = place(todo, plan, device, config, batch_sizes, world_size=self._rank_world()[1])
-        self.plan = placement.plan
-        self._placed.update(placement.fields)
-        self._chunks.update(placement.buffers)
-        if self.plan.num_workers_candidates:
-            self._measure_workers(resources, config, device)
-        rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
-
-    def _open_splits(self, splits: tuple[str, ...]) -> None:
-        """Open (or build) the store of each split with a source; unstorable ones stay raw."""
-        for split, src in self._sources(splits).items():
-            if split in self.stores or split in self._raw:
-                continue
-            store = self._open(split, src)
-            if store is None:
-                self._raw[split] = src
-            else:
-                self.stores[split] = store
-
-    def _stores_nbytes(self) -> int | None:
-        """Bytes of all open stores; ``None`` when a split cannot be stored (only workers can load it)."""
-        return None if self._raw else sum(s.nbytes for s in self.stores.values())
-
-    def _batch_sizes(self) -> dict[str, int]:
-        return {split: self.batch_size if split == "train" else self.eval_batch_size for split in self.stores}
-
-    def _plan_config(self) -> dict[str, Any]:
-        """The settings :func:`~lightning_fastdata.plan.decide` reads, with the largest batch's bytes."""
-        batch_sizes = self._batch_sizes()
-        return {
-            "strategy": self.strategy, "vram_fraction": self.vram_fraction,
-            "num_workers": self.num_workers, "pin_memory": self.pin_memory,
-            "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
-            "batch_nbytes": max((sum(i.row_nbytes for i in st.infos) * batch_sizes[split]
-                                 for split, st in self.stores.items()), default=0),
-        }
-
-    def _measure_workers(self, resources: Any, config: dict[str, Any], device: torch.device) -> None:
-        """``num_workers="measure"``: time the candidates on the first split's loader (see autotune)."""
-        from lightning_fastdata.autotune import measure_num_workers
-
-        split = next((s for s in ("train", "val", "test", "predict") if s in self.stores or s in self._raw), None)
-        if split is None:
-            return
-        plan = self.plan
-
-        def make(trial: Plan) -> Any:
-            self.plan = trial
-            try:
-                return self._make_loader(split)
-            finally:
-                self.plan = plan
-                self._loaders.pop(split, None)  # the measurement shuts its workers down
-
-        measure_num_workers(plan, resources, config, make, device)
-
-    def teardown(self, stage: str | None = None) -> None:
-        """Release device copies and loaders of the stage's splits."""
-        for split in _STAGE_SPLITS.get(stage or "fit", ()):
-            self._placed.pop(split, None)
-            self._chunks.pop(split, None)
-            loader = self._loaders.pop(split, None)
-            if hasattr(loader, "close"):
-                loader.close()  # persistent workers must not outlive the stage
-            self._release_shared(split)
-
-    # ------------------------------------------------------------------ shared memory
-
     def _local_place(self) -> tuple[int, int, int]:
         """(global rank, local rank, local world size) from the Trainer, else the launcher's environment."""
         trainer = self.trainer
@@ -328,92 +294,115 @@ class OptimizedDataModule(L.LightningDataModule):
             return trainer.global_rank, trainer.local_rank, trainer.num_devices
         return D.rank(), D.local_rank(), D.local_world_size()
 
-    def _share_host_stores(self) -> None:
-        """Move host-resident stores to node-local shared memory when several processes read them.
+    def make_plan(self, device: torch.device | None = None, local_world_size: int | None = None,
+                  strategy: str | None = None) -> Plan:
+        """The plan for the open stores on ``device`` as one of ``local_world_size`` ranks; places nothing.
 
-        With ``shared_memory="auto"`` that is when the plan reads the store from host memory
-        (``workers``, ``chunked``) with more than one local rank or any DataLoader worker;
-        ``"on"`` always shares (the ``device`` strategy then loads from it). Every rank
-        takes part, because the placement is collective.
+        ``strategy`` overrides the configured one (``fastdata bench`` tries each).
         """
-        plan = self.plan
-        assert plan is not None
+        device = device or self.target_device()
+        local_world = self._local_place()[2] if local_world_size is None else local_world_size
+        resources = probe_resources(device, local_world_size=local_world)
+        config = self.plan_config()
+        if strategy is not None:
+            config["strategy"] = strategy
+        return decide(None if self._raw else sum(s.nbytes for s in self.stores.values()), resources, config)
+
+    def plan_config(self) -> dict[str, Any]:
+        """The settings :func:`~lightning_fastdata.plan.decide` reads, with the largest batch's bytes."""
+        return {
+            "strategy": self.strategy, "vram_fraction": self.vram_fraction,
+            "num_workers": self.num_workers, "pin_memory": self.pin_memory,
+            "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
+            "batch_nbytes": max((sum(i.row_nbytes for i in st.infos) * self._batch_size(split)
+                                 for split, st in self.stores.items()), default=0),
+        }
+
+    def _batch_size(self, split: str) -> int:
+        return self.batch_size if split == "train" else self.eval_batch_size
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the caches of the stage's splits, make the plan, and place the stores."""
+        splits = SPLITS if stage is None else _STAGE_SPLITS.get(stage, SPLITS)
+        self.open_splits(splits)
+        self._check_field_kinds()
+        device = self.target_device()
         rank, local_rank, local_world = self._local_place()
-        todo = {s: st for s, st in self.stores.items() if s not in self._shared}
-        readers = plan.strategy in ("workers", "chunked") and (local_world > 1 or plan.num_workers > 0)
-        want = self.shared_memory == "on" or (self.shared_memory == "auto" and readers)
-        if not todo:
+        plan = self.make_plan(device, local_world)
+        config = self.plan_config()
+        placed = self.placement.sources if self.placement is not None else {}
+        todo = {s: st for s, st in self.stores.items() if s not in placed}
+        sharing = Sharing(self.shared_memory, rank, local_rank, local_world, config["batch_nbytes"])
+        placement = place(todo, plan, device, config, {s: self._batch_size(s) for s in todo},
+                          world_size=self._rank_world()[1], sharing=sharing)
+        if self.placement is not None:
+            placement.sources = {**self.placement.sources, **placement.sources}
+            placement.segments = {**self.placement.segments, **placement.segments}
+        self.placement, self.plan = placement, placement.plan
+        if self.plan.num_workers_candidates:
+            self._measure_workers(config, device)
+        if self.trainer is not None:
+            # The model's own batch hooks are run by this module's hooks (see on_after_batch_transfer).
+            quiet_shared_hook_warnings()
+        rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
+
+    def _measure_workers(self, config: dict[str, Any], device: torch.device) -> None:
+        """``num_workers="measure"``: time the candidates on the first split's loader (see autotune)."""
+        from lightning_fastdata.autotune import measure_num_workers
+
+        split = next((s for s in SPLITS if s in self.stores or s in self._raw), None)
+        if split is None or self.plan is None:
             return
-        # Ranks may plan differently (free memory differs); if one shares, all must take part.
-        if not D.all_reduce_max(float(want)):
-            plan.reasons["shared_memory"] = (
-                "off: set by configuration" if self.shared_memory == "off" else
-                f"not used: strategy {plan.strategy!r}, {local_world} local rank(s), {plan.num_workers} "
-                "worker(s): no host-memory store read by several processes"
-            )
-            return
-        row_bytes = max(sum(i.row_nbytes for i in st.infos) for st in todo.values())
-        headroom = worker_headroom(row_bytes * max(self.batch_size, self.eval_batch_size), plan.num_workers,
-                                   plan.prefetch_factor, local_world)
-        notes: list[str] = []
+        measure_num_workers(self.plan, self.plan.resources, config, lambda trial: self.build_loader(split, trial),
+                            device)
 
-        def warn(msg: str) -> None:
-            notes.append(msg)
-            if local_rank == 0:
-                warnings.warn(msg, UserWarning, stacklevel=3)
-
-        segments = share_stores(todo, headroom=headroom, fallback=self.shared_memory == "auto", warn=warn,
-                                rank=rank, local_rank=local_rank, local_world_size=local_world)
-        self._shared.update(segments)
-        if segments:
-            nbytes = sum(seg.size for seg in segments.values())
-            plan.reasons["shared_memory"] = (
-                f"on: one copy of {', '.join(sorted(segments))} ({nbytes / 1e6:.1f} MB) in /dev/shm for "
-                f"{local_world} local rank(s) x {max(plan.num_workers, 1)} reader(s) each"
-            )
-        else:
-            plan.reasons["shared_memory"] = "fallback to the disk cache: " + (notes[0] if notes else "")
-
-    def _release_shared(self, split: str) -> None:
-        seg = self._shared.pop(split, None)
-        if seg is not None:
-            seg.release(self.stores.get(split))
+    def teardown(self, stage: str | None = None) -> None:
+        """Release device copies, shared memory and loaders of the stage's splits."""
+        for split in _STAGE_SPLITS.get(stage or "fit", ()):
+            loader = self._loaders.pop(split, None)
+            if hasattr(loader, "close"):
+                loader.close()  # persistent workers must not outlive the stage
+            if self.placement is not None:
+                self.placement.release(split)
 
     # ------------------------------------------------------------------ loaders
 
-    def _make_loader(self, split: str) -> _Loader | list:
-        if self.plan is None:
+    def build_loader(self, split: str, plan: Plan | None = None) -> Any:
+        """A new loader of ``split`` under ``plan`` (default: the plan in force); ``[]`` without a source."""
+        plan = plan or self.plan
+        if plan is None or self.placement is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before {split}_dataloader()")
         if split not in self.stores and split not in self._raw:
             return []
         rank, world = self._rank_world()
         train = split == "train"
         n = len(self.stores[split]) if split in self.stores else len(self._raw[split])
-        order = ShardedOrder(n, self.batch_size if train else self.eval_batch_size,
-                             shuffle=self.shuffle and train, drop_last=self.drop_last and train,
-                             seed=self.seed, rank=rank, world_size=world)
-        if split in self._placed:
-            loader: _Loader = DeviceLoader(self._placed[split], self.stores[split].spec, order)
-        elif split in self._chunks:
-            loader = ChunkedLoader(self.stores[split], order, buffers=self._chunks[split], mode=self.plan.chunk_mode)
+        kw = dict(shuffle=self.shuffle and train, drop_last=self.drop_last and train, seed=self.seed,
+                  rank=rank, world_size=world)
+        source = self.placement.sources.get(split)
+        if isinstance(source, ChunkedSource) and plan.chunk_mode == "block":
+            order: ShardedOrder = BlockOrder(n, self._batch_size(split), rows=source.rows, **kw)
         else:
-            p = self.plan
-            kwargs = dict(num_workers=p.num_workers, pin_memory=p.pin_memory, prefetch_factor=p.prefetch_factor,
-                          persistent_workers=p.persistent_workers, worker_init_fn=self._worker_init_fn(order))
-            if split in self.stores:
-                loader = WorkerLoader(order, store=self.stores[split], **kwargs)
-            else:
-                loader = WorkerLoader(order, dataset=_Transformed(self._raw[split], self.static_transform), **kwargs)
-        self._loaders[split] = loader
-        return loader
-
-    def _worker_init_fn(self, order: ShardedOrder | None = None) -> WorkerSeeding:
-        """Workers seeded per (seed, rank, worker, epoch); the epoch follows ``order.set_epoch``."""
-        rank, _ = self._rank_world()
+            order = ShardedOrder(n, self._batch_size(split), **kw)
+        if source is not None and not isinstance(source, HostSource):
+            store = self.stores[split]
+            return IndexLoader(source, order, store.spec, [i.name for i in store.infos])
         seeding = WorkerSeeding(self.seed, rank)
-        if order is not None:
-            seeding.follow(order)
-        return seeding
+        seeding.follow(order)  # workers seeded per (seed, rank, worker, epoch)
+        loader_kw = dict(num_workers=plan.num_workers, pin_memory=plan.pin_memory,
+                         prefetch_factor=plan.prefetch_factor, persistent_workers=plan.persistent_workers,
+                         worker_init_fn=seeding)
+        if source is not None:
+            store = self.stores[split]
+            return WorkerLoader(order, source=source, spec=store.spec, names=[i.name for i in store.infos],
+                                **loader_kw)
+        return WorkerLoader(order, dataset=transformed(self._raw[split], self.static_transform), **loader_kw)
+
+    def _make_loader(self, split: str) -> Any:
+        loader = self.build_loader(split)
+        if loader != []:
+            self._loaders[split] = loader
+        return loader
 
     def train_dataloader(self) -> Any:
         """The training loader for the planned strategy."""
@@ -431,7 +420,7 @@ class OptimizedDataModule(L.LightningDataModule):
         """The predict loader (an empty list without a "predict" source)."""
         return self._make_loader("predict")
 
-    # ------------------------------------------------------------------ augmentation
+    # ------------------------------------------------------------------ batches
 
     def _current_split(self) -> str:
         trainer = self.trainer
@@ -443,74 +432,178 @@ class OptimizedDataModule(L.LightningDataModule):
             return "predict"
         return "val"
 
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Apply ``train_augment``/``eval_augment`` on the device with a per-batch seeded generator."""
-        split = self._current_split()
-        loader = self._loaders.get(split)
-        key = loader.next_key() if loader is not None else None
-        augment = self.train_augment if split == "train" else self.eval_augment
-        if augment is None:
+    def _model_hook(self, name: str) -> Any:
+        """The LightningModule's own ``name`` hook when it overrides Lightning's, else None."""
+        trainer = self.trainer
+        model = trainer.lightning_module if trainer is not None else None
+        if model is None or not is_overridden(name, model, parent=L.LightningModule):
+            return None
+        return getattr(model, name)
+
+    def _through_structure(self, batch: FastBatch, hook: str, call: Any) -> FastBatch:
+        """Run a model hook on the sample structure of ``batch``; it must keep the fields."""
+        out = call(batch.structure())
+        spec, names, leaves = flatten_batch(out)
+        if names != batch.names:
+            raise RuntimeError(
+                f"{type(self.trainer.lightning_module).__name__}.{hook} returned a batch with fields {names}, "
+                f"the data module's loader yields {batch.names}: a hook that changes the batch's structure "
+                "must run after the augmentation; move it to on_after_batch_transfer"
+            )
+        return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Run the LightningModule's own ``on_before_batch_transfer`` on the sample structure."""
+        hook = self._model_hook("on_before_batch_transfer")
+        if hook is None:
             return batch
-        rank, _ = self._rank_world()
-        epoch, step = (key.epoch, key.index) if key is not None else (0, 0)
-        return self.augment_batch(batch, augment, split=split, rank=rank, epoch=epoch, step=step)
+        if isinstance(batch, FastBatch):
+            return self._through_structure(batch, "on_before_batch_transfer", lambda s: hook(s, dataloader_idx))
+        return hook(batch, dataloader_idx)
 
-    def augment_batch(self, batch: Any, augment: BatchTransform, split: str = "train", rank: int = 0,
-                      epoch: int = 0, step: int = 0) -> Any:
-        """Apply ``augment`` to the augmented field of ``batch`` with the generator of (seed, rank, epoch, step)."""
-        path = self.augment_field
-        x = _get_field(batch, path)
-        g = torch.Generator(device=x.device)
-        g.manual_seed(derive_seed(self.seed, stream=f"augment-{split}" if split != "train" else "augment",
-                                  rank=rank, epoch=epoch, step=step))
-        return _set_field(batch, path, augment(x, g))
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move the batch and its sample indices to ``device`` (the fields by the model's own hook, if any)."""
+        hook = self._model_hook("transfer_batch_to_device")
+        if isinstance(batch, FastBatch):
+            if hook is None:
+                return batch.to(device, non_blocking=True)
+            moved = self._through_structure(batch, "transfer_batch_to_device", lambda s: hook(s, device,
+                                                                                             dataloader_idx))
+            moved.indices = batch.indices.to(device, non_blocking=True)
+            return moved
+        if hook is not None:
+            return hook(batch, device, dataloader_idx)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Augment each sample on the device, keyed by (seed, epoch, sample index), then run the model's hook.
+
+        The batch must come from this data module's loaders (it carries its sample
+        indices); with ``train_augment``/``eval_augment`` set, any other batch is an error.
+        The LightningModule's own ``on_after_batch_transfer`` runs after the augmentation,
+        on the sample structure.
+        """
+        split = self._current_split()
+        augment = self.train_augment if split == "train" else self.eval_augment
+        if isinstance(batch, FastBatch):
+            loader = self._loaders.get(split)
+            if loader is not None:
+                loader.consumed(batch)  # resume counts batches used, not those fetched ahead
+            out = self.augment_batch(batch, augment, split) if augment is not None else batch.structure()
+        elif augment is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a {split} batch of type {type(batch).__name__} reached "
+                "on_after_batch_transfer without its sample indices, so its augmentation cannot be keyed "
+                "per sample; it did not come from this data module's loaders (a dataloader passed to "
+                "the Trainer directly, or a *_dataloader override?): return the loaders of "
+                f"{type(self).__name__}, or set {'train' if split == 'train' else 'eval'}_augment=None"
+            )
+        else:
+            out = batch
+        hook = self._model_hook("on_after_batch_transfer")
+        return hook(out, dataloader_idx) if hook is not None else out
+
+    def augment_batch(self, batch: FastBatch, augment: BatchTransform | None = None, split: str = "train") -> Any:
+        """Augment a batch from this module's loaders; returns it in the sample's structure.
+
+        Every random parameter of a sample is a pure function of (seed, epoch, the sample's
+        global index, the op's position): the same whatever the batch, rank or strategy.
+
+        Args:
+            batch: A batch from one of this module's loaders (on the training device).
+            augment: The transform (default: ``train_augment`` for "train", else ``eval_augment``).
+            split: Which split the batch is from.
+        """
+        if not isinstance(batch, FastBatch):
+            raise TypeError(f"augment_batch needs a batch from this data module's loaders, got "
+                            f"{type(batch).__name__}")
+        if augment is None:
+            augment = self.train_augment if split == "train" else self.eval_augment
+        if augment is None:
+            return batch.structure()
+        # TEMP bridge until the keyed augmentation API lands (branch augment).
+        from lightning_fastdata.seeding import derive_seed
+
+        kinds = self.kinds(split, batch.names)
+        name = next(n for n, k in kinds.items() if k == "image")
+        leaves = list(batch.leaves)
+        k = batch.names.index(name)
+        g = torch.Generator(device=leaves[k].device)
+        g.manual_seed(derive_seed(self.seed, stream=f"augment-{split}", epoch=batch.epoch, step=batch.index))
+        leaves[k] = augment(leaves[k], g)
+        return unflatten(batch.spec, leaves)
+
+    # ------------------------------------------------------------------ field kinds
+
+    def kinds(self, split: str, names: list[str] | None = None) -> dict[str, str]:
+        """The kind ("image", "mask", "other") of each field of ``split``."""
+        store = self.stores.get(split)
+        if names is None:
+            names = [i.name for i in store.infos] if store is not None else []
+        recorded = getattr(store, "kinds", None) or {}
+        kinds = {n: recorded.get(n, "image" if k == 0 else "other") for k, n in enumerate(names)}
+        if self.augment_field is not None:
+            kinds = {n: "image" if n == self.augment_field else "other" for n in names}
+        for name, kind in (self.field_kinds or {}).items():
+            if name in kinds:
+                kinds[name] = kind
+        return kinds
+
+    def _check_field_kinds(self) -> None:
+        named = dict(self.field_kinds or {})
+        if self.augment_field is not None:
+            named[self.augment_field] = "image"
+        for split, store in self.stores.items():
+            fields = [i.name for i in store.infos]
+            for name in named:
+                if name not in fields:
+                    key = "augment_field" if name == self.augment_field else "field_kinds"
+                    raise StoreError(f"{key} names a field {name!r} that the '{split}' samples do not have; "
+                                     f"their fields are {fields} (dict keys, or positions '0', '1' for tuples)")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def data_plan(self) -> dict[str, Any]:
+        """What decides the batches of this run: strategy, order mode, seed, batching and store fingerprints."""
+        plan = self.plan
+        return {
+            "strategy": plan.strategy if plan is not None else self.strategy,
+            "chunk_mode": plan.chunk_mode if plan is not None and plan.strategy == "chunked" else "global",
+            "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
+            "batch_size": self.batch_size,
+            "fingerprints": {s: st.fingerprint for s, st in sorted(self.stores.items())},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in checkpoints: the data plan (see :meth:`data_plan`)."""
+        return {"data_plan": self.data_plan()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """On resume: warn, naming both plans, when this run's data plan differs from the checkpoint's."""
+        saved = state_dict.get("data_plan")
+        if not saved:
+            return
+        self._restored_plan = saved
+        now = self.data_plan()
+        differ = [k for k in _PLAN_KEYS if k in saved and saved[k] != now[k]]
+        if not differ:
+            return
+        batches = [k for k in differ if k != "strategy"]
+        effect = ("the remaining batches will differ from those of the run the checkpoint came from"
+                  if batches else "the batches are the same (every strategy yields the same samples in the "
+                  "same order)")
+        rank_zero_warn(
+            f"lightning_fastdata: resuming with a different data plan ({', '.join(differ)} changed): {effect}. "
+            f"checkpoint: {_plan_text(saved, differ)}; this run: {_plan_text(now, differ)}"
+        )
 
 
-def _first_path(batch: Any) -> list[Any]:
-    path: list[Any] = []
-    node = batch
-    while isinstance(node, (tuple, list, dict)):
-        key = next(iter(node)) if isinstance(node, dict) else 0
-        path.append(key)
-        node = node[key]
-    return path
+def _plan_text(plan: dict[str, Any], keys: list[str]) -> str:
+    parts = []
+    for k in keys:
+        v = plan.get(k)
+        if k == "fingerprints" and isinstance(v, dict):
+            v = {s: f[:16] for s, f in v.items()}
+        parts.append(f"{k}={v!r}")
+    return ", ".join(parts)
 
-
-def _split_path(batch: Any, path: str | None) -> list[Any]:
-    if path is None:
-        return _first_path(batch)
-    out: list[Any] = []
-    node = batch
-    for part in path.split("."):
-        key: Any = int(part) if isinstance(node, (tuple, list)) and part.isdigit() else part
-        try:
-            node = node[key]
-        except (KeyError, IndexError, TypeError) as e:
-            raise StoreError(f"augment_field={path!r} does not name a field of the batch") from e
-        out.append(key)
-    return out
-
-
-def _get_field(batch: Any, path: str | None) -> torch.Tensor:
-    node = batch
-    for key in _split_path(batch, path):
-        node = node[key]
-    if not isinstance(node, torch.Tensor):
-        raise StoreError(f"augment_field={path!r} is a {type(node).__name__}, not a tensor")
-    return node
-
-
-def _set_field(batch: Any, path: str | None, value: torch.Tensor) -> Any:
-    keys = _split_path(batch, path)
-
-    def put(node: Any, depth: int) -> Any:
-        if depth == len(keys):
-            return value
-        key = keys[depth]
-        if isinstance(node, dict):
-            return {**node, key: put(node[key], depth + 1)}
-        items = list(node)
-        items[key] = put(items[key], depth + 1)
-        return type(node)(items) if isinstance(node, tuple) else items
-
-    return put(batch, 0)

@@ -236,7 +236,7 @@ def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any
     if chosen == "chunked":
         reasons["chunk_bytes"] = f"{fmt_bytes(chunk)} per buffer: {chunk_why}"
         reasons["chunk_mode"] = _chunk_mode_reason(plan.chunk_mode, store_nbytes, resources)
-    _loader_params(plan, resources, config)
+    loader_params(plan, resources, config)
     return plan
 
 
@@ -263,7 +263,7 @@ def fall_back(plan: Plan, strategy: str, reason: str, config: dict[str, Any]) ->
             new.chunk_bytes = _chunk_bytes(plan.store_nbytes, budget, int(config.get("batch_nbytes", 0) or 0))
         reasons["chunk_bytes"] = f"{fmt_bytes(new.chunk_bytes)} per buffer"
         reasons["chunk_mode"] = plan.reasons.get("chunk_mode", new.chunk_mode)
-    _loader_params(new, plan.resources, config)
+    loader_params(new, plan.resources, config)
     return new
 
 
@@ -319,7 +319,7 @@ def _measure_candidates(best_guess: int) -> list[int]:
     return sorted({0, min(1, best_guess), best_guess // 2, best_guess})
 
 
-def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
+def loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
     """Loader settings, each with its reason; only ``workers`` uses worker processes.
 
     ``config`` may carry ``batch_nbytes`` (bytes of one training batch) so that RAM and
@@ -330,6 +330,7 @@ def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
     pf = config.get("prefetch_factor", "auto")
     batch_nbytes = config.get("batch_nbytes")
     plan.num_workers_candidates = []
+    one_in_flight = False  # the worker count is affordable only with one batch in flight each
     if plan.strategy != "workers":
         plan.num_workers = 0 if nw in ("auto", "measure") else int(nw)
         plan.reasons["num_workers"] = (
@@ -343,6 +344,7 @@ def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
             one, why_one = _auto_workers(r, batch_nbytes, 1)
             if one > auto:
                 auto, why = one, why_one + " (at one batch in flight per worker)"
+                one_in_flight = True
         if nw == "auto":
             plan.num_workers = auto
             plan.reasons["num_workers"] = f"{auto}: {why}"
@@ -381,10 +383,9 @@ def _loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
         plan.prefetch_factor = int(pf)
         plan.reasons["prefetch_factor"] = f"{plan.prefetch_factor}: set by configuration"
     else:
-        at_one = "at one batch in flight per worker" in plan.reasons.get("num_workers", "")
-        plan.prefetch_factor = 1 if at_one else 2
+        plan.prefetch_factor = 1 if one_in_flight else 2
         plan.reasons["prefetch_factor"] = (
-            "1: /dev/shm or RAM holds only one batch in flight per worker" if at_one else
+            "1: /dev/shm or RAM holds only one batch in flight per worker" if one_in_flight else
             f"2: {2 * plan.num_workers} batches in flight over {plan.num_workers} worker(s) hide per-batch "
             "jitter; more costs RAM and /dev/shm without speed when the workers keep up")
 

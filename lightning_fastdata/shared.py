@@ -134,10 +134,6 @@ def _segment_size(layout: list[dict[str, Any]]) -> int:
     return last["offset"] + -(-max(last["nbytes"], 1) // _ALIGN) * _ALIGN
 
 
-def segment_nbytes(store: Store) -> int:
-    """Bytes the segment of ``store`` takes in ``/dev/shm`` (data, page alignment and header)."""
-    return _segment_size(_layout(store))
-
 
 # --------------------------------------------------------------------------- the segment
 
@@ -261,7 +257,6 @@ class Segment:
         token: The job's random token (also in the header).
         fingerprint: The store's fingerprint.
         layout: Per-field dtype, shape, offset and size.
-        original: The store's fields before they were replaced (restored by :meth:`release`).
     """
 
     name: str
@@ -271,7 +266,6 @@ class Segment:
     token: str
     fingerprint: str
     layout: list[dict[str, Any]]
-    original: list[np.ndarray] | None = None
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -295,11 +289,8 @@ class Segment:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def release(self, store: Store | None = None) -> None:
-        """Give ``store`` its original fields back and close the descriptor (pages go with the last view)."""
-        if store is not None and self.original is not None:
-            store.fields = self.original
-            store.meta.pop("shared_memory", None)
+    def release(self) -> None:
+        """Close the descriptor; the pages go with the last view of :meth:`arrays`."""
         if not self.closed:
             self.closed = True
             with contextlib.suppress(OSError):
@@ -496,9 +487,9 @@ def share_stores(
 ) -> dict[str, Segment]:
     """Put one copy of each store in node-local shared memory; collective over all ranks.
 
-    Every rank calls this with its own stores (same splits, same fingerprints). On return,
-    each store's ``fields`` are read-only views of its segment, and the names are gone
-    from ``/dev/shm``.
+    Every rank calls this with its own stores (same splits, same fingerprints); the stores
+    are not modified. On return, each segment's :meth:`Segment.arrays` are read-only views
+    of one copy of the store's fields, and the names are gone from ``/dev/shm``.
 
     Args:
         stores: Stores by split name.
@@ -611,9 +602,4 @@ def share_stores(
             warn(msg)
         return {}
     # Another node may have fallen back; this one keeps its segments.
-    for s in splits:
-        seg = segments[s]
-        seg.original = stores[s].fields
-        stores[s].fields = seg.arrays()
-        stores[s].meta["shared_memory"] = seg.name
     return segments

@@ -112,3 +112,34 @@ def run_demo(cwd, *args: str) -> Any:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.run([sys.executable, "-m", "lightning_fastdata.demo", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def names_of(store) -> list[str]:
+    """Field names of a store, in leaf order."""
+    return [i.name for i in store.infos]
+
+
+def device_loader(store, order, device="cpu"):
+    """An IndexLoader over ``store``'s fields placed on ``device`` (the ``device`` strategy)."""
+    from lightning_fastdata.loaders import IndexLoader
+    from lightning_fastdata.placement import DeviceSource
+
+    return IndexLoader(DeviceSource.from_arrays(list(store.fields), device), order, store.spec, names_of(store))
+
+
+def chunked_loader(store, order, chunk_bytes: int = 64 << 20, mode: str = "global", window: int = 4,
+                   buffers=None, device="cpu"):
+    """An IndexLoader streaming ``store`` through chunk buffers to ``device`` (the ``chunked`` strategy)."""
+    from lightning_fastdata.loaders import BlockOrder, IndexLoader
+    from lightning_fastdata.placement import ChunkBuffers, ChunkedSource, HostSource
+
+    if buffers is None:
+        buffers = ChunkBuffers.for_store(store, device, chunk_bytes, order.batch_size, world_size=order.world_size)
+    if mode == "block":
+        o = order
+        order = BlockOrder(o.n, o.batch_size, rows=buffers.rows, window=window, shuffle=o.shuffle,
+                           drop_last=o.drop_last, seed=o.seed, rank=o.rank, world_size=o.world_size)
+        order.set_epoch(o.epoch)
+    elif mode != "global":
+        raise ValueError(f"mode must be 'global' or 'block', got {mode!r}")
+    return IndexLoader(ChunkedSource(HostSource(list(store.fields)), buffers), order, store.spec, names_of(store))

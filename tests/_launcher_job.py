@@ -54,7 +54,7 @@ class DM(OptimizedDataModule):
     def setup(self, stage=None):
         super().setup(stage)
         self.record.update(
-            segment=self.stores["train"].meta.get("shared_memory"),
+            segment=(self.placement.segments["train"].name if "train" in self.placement.segments else None),
             reason=self.plan.reasons.get("shared_memory"),
             setup_maps=shm_mappings(),
         )
@@ -99,7 +99,7 @@ class Probe(L.Callback):
         rec.update(
             pid=os.getpid(), global_rank=trainer.global_rank, local_rank=trainer.local_rank,
             node_rank=trainer.node_rank, world_size=trainer.world_size,
-            field_crcs=[zlib.crc32(np.ascontiguousarray(a).tobytes()) for a in dm.stores["train"].fields],
+            field_crcs=[zlib.crc32(np.ascontiguousarray(a).tobytes()) for a in dm.placement.sources["train"].arrays],
         )
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(rec))
 

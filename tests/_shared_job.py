@@ -143,7 +143,7 @@ def _fit_rank(cache: str, out: Path, mode: str, n: int, shared_memory: str = "au
             record["uss_setup"] = me.memory_full_info().uss
             super().setup(stage)
             record["uss_after_setup"] = me.memory_full_info().uss
-            record["segment"] = self.stores["train"].meta.get("shared_memory")
+            record["segment"] = (self.placement.segments["train"].name if "train" in self.placement.segments else None)
             record["setup_maps"] = shm_mappings()
             record["plan"] = str(self.plan)
 
@@ -187,7 +187,8 @@ def _fit_rank(cache: str, out: Path, mode: str, n: int, shared_memory: str = "au
             record["worker_maps"] = [shm_mappings(w.pid) for w in workers]
 
         def on_train_end(self, trainer, pl_module):
-            record["field_crcs"] = [zlib.crc32(a.tobytes()) for a in trainer.datamodule.stores["train"].fields]
+            arrays = trainer.datamodule.placement.sources["train"].arrays
+            record["field_crcs"] = [zlib.crc32(a.tobytes()) for a in arrays]
 
     dm = DM(batch_size=256, cache_dir=cache, strategy="workers", num_workers=2, device="cpu",
             progress=False, shared_memory=shared_memory)

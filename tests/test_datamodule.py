@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _helpers import CountingDataset, TinyDataModule, TinyModel, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fastdata import augment as A
+from lightning_fastdata.loaders import FastBatch
 
 
 def _aug():
@@ -96,7 +99,7 @@ def test_identical_images_are_augmented_independently(tmp_path):
     dm = TinyDataModule(n=4, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
                         train_augment=A.Compose([A.RandomCrop(8, padding=3), A.RandomHorizontalFlip()]))
     x = torch.arange(64, dtype=torch.uint8).view(1, 1, 8, 8).repeat(32, 3, 1, 1)
-    out, _ = dm.augment_batch((x, torch.zeros(32)), dm.train_augment, step=0)
+    out, _ = dm.augment_batch(FastBatch.of((x, torch.zeros(32)), torch.arange(32)), dm.train_augment)
     assert len({o.numpy().tobytes() for o in out}) > 16
 
 
@@ -154,3 +157,138 @@ def test_setup_without_prepare_data_builds_the_cache(cache_dir):
     dm = TinyDataModule(n=12, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False)
     dm.setup("fit")  # e.g. a rank whose leader has not built it: no waiting, build it here
     assert len(dm.stores["train"]) == 12 and len(list(dm.train_dataloader())) == 3
+
+
+class _Indexed(TinyDataModule):
+    """Sample i: an image drawn from i, and i itself as the label (so a batch says which samples it holds)."""
+
+    def static_transform(self, sample):
+        return sample
+
+    def source(self, split):
+        if split != "train":
+            return None
+
+        class Ds(torch.utils.data.Dataset):
+            def __len__(self):
+                return 64
+
+            def __getitem__(self, i):
+                g = torch.Generator().manual_seed(i)
+                return torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=g), i
+
+        return Ds()
+
+
+class _Keeper(TinyModel):
+    """Keeps a reference to every training batch it is given: no copy."""
+
+    def __init__(self):
+        super().__init__(classes=64)
+        self.kept = []
+
+    def training_step(self, batch, batch_idx):
+        self.kept.append(batch)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("strategy", ["device", "chunked", "workers"])
+def test_batches_the_user_keeps_never_change(tmp_path, strategy):
+    dm = _Indexed(batch_size=6, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy, num_workers=0)
+    model = _Keeper()
+    trainer(tmp_path, max_epochs=1, limit_train_batches=10).fit(model, dm)
+    ref = dm.source("train")
+    assert len(model.kept) == 10
+    for x, y in model.kept:  # checked after the epoch, against the source
+        for img, i in zip(x, y.tolist(), strict=True):
+            assert torch.equal(img, ref[i][0]), f"{strategy}: sample {i} changed after it was handed out"
+
+
+class _HookedModel(TinyModel):
+    """Overrides the three batch hooks; records what each saw."""
+
+    def __init__(self):
+        super().__init__(record=True)
+        self.calls = []
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        self.calls.append(("before", x.dtype))
+        return x, y + 100
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.calls.append(("transfer", type(batch).__name__))
+        x, y = batch
+        return x.to(device), y.to(device)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        self.calls.append(("after", x.dtype))
+        return x * 0 + 7, y - 100  # the model's own batch code: must run, after the augmentation
+
+
+def test_the_models_own_batch_hooks_run_around_the_augmentation(tmp_path):
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        train_augment=A.Normalize([0.5] * 3, [0.25] * 3))
+    model = _HookedModel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "overridden in both ... uses the DataModule's" warning
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|LeafSpec|across ranks is zero).*")
+        trainer(tmp_path, max_epochs=1).fit(model, dm)
+    assert [c[0] for c in model.calls[:3]] == ["before", "transfer", "after"]
+    assert ("before", torch.uint8) in model.calls and ("transfer", "tuple") in model.calls
+    assert ("after", torch.float32) in model.calls  # it saw the augmented (normalised) batch
+    for x, y in model.seen:
+        assert torch.all(x == 7) and y.max() < 4  # its output reached training_step
+
+
+def test_a_model_hook_that_changes_the_structure_before_augmentation_is_named(tmp_path):
+    class Reshaping(TinyModel):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return {"x": batch[0], "y": batch[1]}
+
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False)
+    with pytest.raises(RuntimeError, match=r"Reshaping.on_before_batch_transfer returned a batch with fields "
+                                           r"\['x', 'y'\].*move it to on_after_batch_transfer"):
+        trainer(tmp_path, max_epochs=1).fit(Reshaping(), dm)
+
+
+def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
+    class PlainLoader(TinyDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(CountingDataset(16), batch_size=8)
+
+    dm = PlainLoader(n=16, cache_dir=str(tmp_path / "c"), device="cpu", val=False, train_augment=_aug())
+    with pytest.raises(RuntimeError, match="without its sample indices.*return the loaders of PlainLoader"):
+        trainer(tmp_path, max_epochs=1).fit(TinyModel(), dm)
+
+
+def test_hparams_show_the_configuration(tmp_path):
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), seed=3, train_augment=_aug())
+    assert dm.hparams["n"] == 16 and dm.hparams["batch_size"] == 8 and dm.hparams["seed"] == 3
+    assert dm.hparams["train_augment"].startswith("Compose(") and dm.hparams["eval_augment"] is None
+
+
+def test_checkpoint_carries_the_data_plan_and_a_changed_plan_warns_with_both(tmp_path):
+    cache = str(tmp_path / "c")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    dm = TinyDataModule(n=32, batch_size=8, cache_dir=cache, device="cpu", val=False, strategy="device")
+    trainer(tmp_path, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True).fit(TinyModel(), dm)
+    path = tmp_path / "ckpt" / "step=2.ckpt"
+    saved = torch.load(path, weights_only=False)["TinyDataModule"]["data_plan"]
+    assert saved["strategy"] == "device" and saved["seed"] == 0 and saved["batch_size"] == 8
+    assert saved["fingerprints"] == {"train": dm.stores["train"].fingerprint}
+
+    same = TinyDataModule(n=32, batch_size=8, cache_dir=cache, device="cpu", val=False, strategy="device")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|LeafSpec|across ranks is zero|"
+                                                  "callbacks used to create the checkpoint).*")
+        trainer(tmp_path, max_epochs=1).fit(TinyModel(), same, ckpt_path=str(path))
+
+    other = TinyDataModule(n=32, batch_size=8, cache_dir=cache, device="cpu", val=False, strategy="workers",
+                           num_workers=0, seed=5)
+    with pytest.warns(UserWarning, match=r"resuming with a different data plan \(strategy, seed changed\): the "
+                                         r"remaining batches will differ.*checkpoint: strategy='device', seed=0; "
+                                         r"this run: strategy='workers', seed=5"):
+        trainer(tmp_path, max_epochs=1).fit(TinyModel(), other, ckpt_path=str(path))

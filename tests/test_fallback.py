@@ -16,8 +16,8 @@ import torch
 from _helpers import TinyDataModule, TinyModel, trainer
 from _jobs import free_port
 
-import lightning_fastdata.loaders as loaders_module
-from lightning_fastdata.placement import inject_faults, place
+import lightning_fastdata.placement as placement_module
+from lightning_fastdata.placement import ChunkedSource, HostSource, inject_faults, place
 from lightning_fastdata.plan import Resources, decide
 from lightning_fastdata.store import Store
 
@@ -39,14 +39,14 @@ def device_plan(config: dict):
 def tracked(monkeypatch):
     """Weak references to every tensor the placement allocates."""
     refs: list[weakref.ref] = []
-    real = loaders_module.device_empty
+    real = placement_module.device_empty
 
     def tracking(*args, **kwargs):
         t = real(*args, **kwargs)
         refs.append(weakref.ref(t))
         return t
 
-    monkeypatch.setattr(loaders_module, "device_empty", tracking)
+    monkeypatch.setattr(placement_module, "device_empty", tracking)
     return refs
 
 
@@ -61,9 +61,10 @@ def test_oom_midway_frees_the_partial_copies_and_falls_back_to_chunked(tracked):
     message = str(warned[0].message)
     assert "out of device memory placing device (needs 28.0 KB, 20.0 KB in complete fields" in message
     assert "falling back to strategy 'chunked' on every rank" in message
-    assert placement.plan.strategy == "chunked" and placement.fields == {}
+    assert placement.plan.strategy == "chunked"
+    assert all(isinstance(s, ChunkedSource) for s in placement.sources.values())
     # 3 device allocations (the third failed), then 2 slots x 2 fields x 2 splits of chunk buffers
-    assert set(placement.buffers) == {"train", "val"} and allocations == 3 + 2 * 2 * 2
+    assert set(placement.sources) == {"train", "val"} and allocations == 3 + 2 * 2 * 2
     device_copies = tracked[:2]  # the two complete train fields of the failed level
     assert all(ref() is None for ref in device_copies), "partial device copies are still alive"
     assert "needs 28.0 KB" in placement.plan.reasons["fallback"]
@@ -75,7 +76,8 @@ def test_oom_on_both_levels_ends_on_workers(tracked):
     with inject_faults(oom_at={1, 4}), pytest.warns(RuntimeWarning) as warned:  # device 1st, chunked 3rd
         placement = place(stores(), device_plan(config), "cpu", config, {"train": 8, "val": 8})
     assert [str(w.message).split("; falling back to strategy ")[1][:9] for w in warned] == ["'chunked'", "'workers'"]
-    assert placement.plan.strategy == "workers" and not placement.fields and not placement.buffers
+    assert placement.plan.strategy == "workers"
+    assert all(isinstance(s, HostSource) for s in placement.sources.values())
     assert all(ref() is None for ref in tracked)
 
 

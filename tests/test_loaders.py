@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _helpers import device_loader, names_of
 from torch.utils.data import DistributedSampler
 
-from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, WorkerLoader, place_fields
+from lightning_fastdata.loaders import FastBatch, ShardedOrder, WorkerLoader
+from lightning_fastdata.placement import HostSource
 from lightning_fastdata.store import Store
 
 
@@ -51,35 +53,39 @@ def test_two_ranks_disjoint_equal_cover_and_epoch_changes():
 
 def test_device_loader_every_sample_once_structure_preserved():
     s = _store(50)
-    loader = DeviceLoader(place_fields(s, "cpu"), s.spec, ShardedOrder(50, 8, seed=1))
+    loader = device_loader(s, ShardedOrder(50, 8, seed=1))
     seen = []
     for batch in loader:
-        assert set(batch) == {"x", "i"}
+        assert isinstance(batch, FastBatch) and set(batch.structure()) == {"x", "i"}
+        assert torch.equal(batch.indices, batch["i"])  # the batch knows which samples it holds
         assert torch.equal(batch["x"], torch.from_numpy(s.fields[0][batch["i"].numpy()]))
         seen += batch["i"].tolist()
     assert sorted(seen) == list(range(50)) and len(loader) == 7
 
 
-def test_device_loader_reuses_ring_buffers():
+def test_kept_batches_are_never_overwritten():
     s = _store(64)
-    loader = DeviceLoader(place_fields(s, "cpu"), s.spec, ShardedOrder(64, 8, shuffle=False), ring=2)
-    ptrs = [b["x"].data_ptr() for b in loader]
-    assert len(set(ptrs)) == 2  # no fresh allocation per batch
+    loader = device_loader(s, ShardedOrder(64, 8, seed=4))
+    kept = list(loader)  # references only, no copies
+    for batch in kept:
+        assert torch.equal(batch["x"], torch.from_numpy(s.fields[0][batch["i"].numpy()]))
+    assert len({b["x"].data_ptr() for b in kept}) == len(kept)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_worker_loader_matches_device_loader(workers):
     s = _store(50)
     order_args = dict(n=50, batch_size=8, seed=9, rank=1, world_size=2)
-    dev = DeviceLoader(place_fields(s, "cpu"), s.spec, ShardedOrder(**order_args))
-    wrk = WorkerLoader(ShardedOrder(**order_args), store=s, num_workers=workers)
+    dev = device_loader(s, ShardedOrder(**order_args))
+    wrk = WorkerLoader(ShardedOrder(**order_args), source=HostSource(list(s.fields)), spec=s.spec,
+                       names=names_of(s), num_workers=workers)
     for epoch in (0, 1):
         dev.set_epoch(epoch)
         wrk.sampler.set_epoch(epoch)  # the way Lightning reaches it
-        a = [b["i"].clone() for b in dev]
-        b = [b["i"] for b in wrk]
+        a = [b["i"] for b in dev]
+        b = list(wrk)
         assert len(a) == len(b) == len(wrk)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert all(torch.equal(x, y["i"]) and torch.equal(x, y.indices) for x, y in zip(a, b, strict=True))
 
 
 def test_worker_loader_over_raw_source_collates():
@@ -87,13 +93,15 @@ def test_worker_loader_over_raw_source_collates():
     wrk = WorkerLoader(ShardedOrder(10, 4, shuffle=False), dataset=ds)
     batches = list(wrk)
     assert [b[1].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [b.indices.tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [(b.epoch, b.index) for b in batches] == [(0, 0), (0, 1), (0, 2)]
 
 
 def test_resume_mid_epoch_yields_the_rest():
     s = _store(50)
 
     def loader():
-        return DeviceLoader(place_fields(s, "cpu"), s.spec, ShardedOrder(50, 8, seed=2), ring=0)
+        return device_loader(s, ShardedOrder(50, 8, seed=2))
 
     full = loader()
     full.set_epoch(1)
@@ -102,8 +110,7 @@ def test_resume_mid_epoch_yields_the_rest():
     part.set_epoch(1)
     it = iter(part)
     for _ in range(3):
-        next(it)
-        part.next_key()  # consumed
+        part.consumed(next(it))
     next(it)  # prefetched, not consumed: must not count
     state = part.state_dict()
     assert state["batch"] == 3 and state["epoch"] == 1
@@ -119,8 +126,8 @@ def test_resume_mid_epoch_yields_the_rest():
 
 def test_resume_refuses_a_different_configuration():
     s = _store(50)
-    a = DeviceLoader(place_fields(s, "cpu"), s.spec, ShardedOrder(50, 8))
-    b = DeviceLoader(place_fields(s, "cpu"), s.spec, ShardedOrder(50, 10))
+    a = device_loader(s, ShardedOrder(50, 8))
+    b = device_loader(s, ShardedOrder(50, 10))
     with pytest.raises(ValueError, match="batch_size=8"):
         b.load_state_dict(a.state_dict())
 

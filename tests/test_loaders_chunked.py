@@ -1,4 +1,4 @@
-"""ChunkedLoader: same batches as DeviceLoader (global), each sample once (block), exact mid-chunk resume."""
+"""Chunked source: the device batches (global order), each sample once (block order), exact mid-chunk resume."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from _helpers import chunked_loader, device_loader
 
-from lightning_fastdata.loaders import ChunkBuffers, ChunkedLoader, DeviceLoader, ShardedOrder
-from lightning_fastdata.placement import inject_faults, staging_empty
+from lightning_fastdata.loaders import ShardedOrder
+from lightning_fastdata.placement import ChunkBuffers, ChunkedSource, HostSource, inject_faults, staging_empty
 from lightning_fastdata.store import Store
 
 ROW = 3 * 4 * 4 + 8  # bytes per sample: uint8 image + int64 label
@@ -23,15 +24,8 @@ def make_store(n: int) -> Store:
 
 
 def collect(loader, limit: int | None = None) -> list[dict]:
-    # Batches are only valid until the ring turns over: copy them as they come.
-    out = []
-    for batch in itertools.islice(loader, limit):
-        out.append({k: v.clone() for k, v in batch.items()})
-    return out
-
-
-def device_loader(store: Store, order: ShardedOrder) -> DeviceLoader:
-    return DeviceLoader([torch.from_numpy(np.asarray(a)) for a in store.fields], store.spec, order)
+    # References only: a batch handed out never changes afterwards.
+    return [batch.structure() for batch in itertools.islice(loader, limit)]
 
 
 def same(a: list[dict], b: list[dict]) -> bool:
@@ -53,8 +47,8 @@ def test_global_mode_yields_exactly_the_device_batches(n, bs, world, drop_last, 
             ref_order, order = ShardedOrder(n, bs, **kw), ShardedOrder(n, bs, **kw)
             ref_order.set_epoch(epoch)
             order.set_epoch(epoch)
-            loader = ChunkedLoader(store, order, chunk_bytes=chunk_batches * bs * ROW)
-            assert loader.rows == min(chunk_batches, math.ceil(math.ceil(n / world) / bs)) * bs
+            loader = chunked_loader(store, order, chunk_bytes=chunk_batches * bs * ROW)
+            assert loader.source.rows == min(chunk_batches, math.ceil(math.ceil(n / world) / bs)) * bs
             got, want = collect(loader), collect(device_loader(store, ref_order))
             assert len(got) == len(loader) == len(want) > 0
             assert same(got, want), (rank, epoch)
@@ -69,7 +63,7 @@ def test_block_mode_covers_every_sample_once_per_epoch_reads_locally():
         for rank in range(2):
             order = ShardedOrder(n, bs, seed=3, rank=rank, world_size=2)
             order.set_epoch(epoch)
-            loader = ChunkedLoader(store, order, chunk_bytes=2 * bs * ROW, mode="block", window=2)
+            loader = chunked_loader(store, order, chunk_bytes=2 * bs * ROW, mode="block", window=2)
             batches = collect(loader)
             rank_labels = torch.cat([b["label"] for b in batches])
             assert len(batches) == len(loader) == 10
@@ -84,8 +78,8 @@ def test_block_mode_covers_every_sample_once_per_epoch_reads_locally():
         assert sorted(every.tolist()) == list(range(n))  # each sample exactly once over both ranks
         epochs.append(every)
     assert not torch.equal(epochs[0], epochs[1])  # a new order every epoch
-    again = ChunkedLoader(store, ShardedOrder(n, bs, seed=3, rank=0, world_size=2), chunk_bytes=2 * bs * ROW,
-                          mode="block", window=2)
+    again = chunked_loader(store, ShardedOrder(n, bs, seed=3, rank=0, world_size=2), chunk_bytes=2 * bs * ROW,
+                           mode="block", window=2)
     assert torch.equal(again.indices(), epochs[0][:60])  # reproducible from the seed
 
 
@@ -97,7 +91,7 @@ def test_resume_mid_chunk_is_exact(mode, stop):
     def fresh():
         order = ShardedOrder(90, 7, seed=11)
         order.set_epoch(2)
-        return ChunkedLoader(store, order, chunk_bytes=3 * 7 * ROW, mode=mode)
+        return chunked_loader(store, order, chunk_bytes=3 * 7 * ROW, mode=mode)
 
     full = collect(fresh())
     first = fresh()
@@ -112,35 +106,32 @@ def test_resume_mid_chunk_is_exact(mode, stop):
     assert same(collect(resumed), full)  # the following iteration starts from the beginning again
 
 
-@pytest.mark.parametrize("chunk_batches", [1, 2, 3, 8])  # copies below ring batches per chunk, views above
-def test_a_batch_stays_valid_until_two_more_are_drawn(chunk_batches):
-    # Lightning fetches one batch ahead of the step that uses it: held batches must not change.
+@pytest.mark.parametrize("chunk_batches", [1, 2, 3, 8])
+def test_kept_batches_never_change_when_their_chunk_is_refilled(chunk_batches):
+    # A user may keep every batch (a callback logging images): none may change afterwards.
     store = make_store(97)
     want = collect(device_loader(store, ShardedOrder(97, 4, seed=9)))
-    loader = ChunkedLoader(store, ShardedOrder(97, 4, seed=9), chunk_bytes=chunk_batches * 4 * ROW, ring=3)
-    held = []
-    for i, batch in enumerate(loader):
-        held.append((i, batch))
-        held = held[-3:]
-        for j, old in held:
-            assert all(torch.equal(old[k], want[j][k]) for k in old), (i, j)
-    assert i == len(want) - 1
+    loader = chunked_loader(store, ShardedOrder(97, 4, seed=9), chunk_bytes=chunk_batches * 4 * ROW)
+    held = list(loader)
+    assert len(held) == len(want)
+    for old, ref in zip(held, want, strict=True):
+        assert all(torch.equal(old[k], ref[k]) for k in ref)
 
 
 def test_consumed_batches_are_counted_when_the_consumer_reports_them():
-    loader = ChunkedLoader(make_store(40), ShardedOrder(40, 4, seed=1), chunk_bytes=2 * 4 * ROW)
+    loader = chunked_loader(make_store(40), ShardedOrder(40, 4, seed=1), chunk_bytes=2 * 4 * ROW)
     it = iter(loader)
-    next(it), next(it), next(it)  # a prefetcher pulled three batches
-    assert loader.next_key().index == 0  # ... the consumer used one
-    assert loader.state_dict()["batch"] == 1
+    first, _, _ = next(it), next(it), next(it)  # a prefetcher pulled three batches
+    loader.consumed(first)  # ... the consumer used one
+    assert first.index == 0 and loader.state_dict()["batch"] == 1
 
 
 def test_resume_refuses_another_mode_or_chunking():
     store = make_store(40)
-    block = ChunkedLoader(store, ShardedOrder(40, 4), chunk_bytes=2 * 4 * ROW, mode="block")
+    block = chunked_loader(store, ShardedOrder(40, 4), chunk_bytes=2 * 4 * ROW, mode="block")
     with pytest.raises(ValueError, match="checkpoint has mode='global'"):
-        block.load_state_dict(ChunkedLoader(store, ShardedOrder(40, 4)).state_dict())
-    other = ChunkedLoader(store, ShardedOrder(40, 4), chunk_bytes=4 * 4 * ROW, mode="block")
+        block.load_state_dict(chunked_loader(store, ShardedOrder(40, 4)).state_dict())
+    other = chunked_loader(store, ShardedOrder(40, 4), chunk_bytes=4 * 4 * ROW, mode="block")
     with pytest.raises(ValueError, match="chunk_rows=16, the loader has chunk_rows=8"):
         block.load_state_dict(other.state_dict())
 
@@ -151,7 +142,7 @@ def test_buffers_are_allocated_once_and_reused():
     assert buffers.rows == 20 and len(buffers.slots) == 2 and buffers.staging is None
     assert buffers.nbytes == 2 * 20 * ROW
     ptrs = [t.data_ptr() for slot in buffers.slots for t in slot]
-    loader = ChunkedLoader(store, ShardedOrder(200, 10, seed=5), buffers=buffers)
+    loader = chunked_loader(store, ShardedOrder(200, 10, seed=5), buffers=buffers)
     with inject_faults(oom_at=1) as faults:  # any device allocation now would raise
         for epoch in range(3):
             loader.set_epoch(epoch)
@@ -163,7 +154,7 @@ def test_buffers_are_allocated_once_and_reused():
 def test_stopping_early_then_iterating_again_is_clean():
     store = make_store(100)
     order = ShardedOrder(100, 5, seed=2)
-    loader = ChunkedLoader(store, order, chunk_bytes=2 * 5 * ROW)
+    loader = chunked_loader(store, order, chunk_bytes=2 * 5 * ROW)
     it = iter(loader)
     next(it)
     it.close()  # the next chunk's load is in flight: it must finish before the buffers are reused
@@ -185,12 +176,14 @@ def test_buffers_must_hold_whole_batches_of_the_same_fields():
     with pytest.raises(ValueError, match="rows must be a positive multiple of batch_size, got rows=10 batch_size=4"):
         ChunkBuffers([((3, 4, 4), torch.uint8)], 10, 4, "cpu")
     wrong = ChunkBuffers([((3, 4, 4), torch.uint8)], 8, 4, "cpu")
-    with pytest.raises(ValueError, match="do not fit batches of 4"):
-        ChunkedLoader(store, ShardedOrder(40, 4), buffers=wrong)
-    with pytest.raises(ValueError, match="mode must be 'global' or 'block', got 'random'"):
-        ChunkedLoader(store, ShardedOrder(40, 4), mode="random")
+    with pytest.raises(ValueError, match="do not fit the source's fields"):
+        ChunkedSource(HostSource(list(store.fields)), wrong)
+    fields = [((3, 4, 4), torch.uint8), ((), torch.int64)]
+    odd = ChunkedSource(HostSource(list(store.fields)), ChunkBuffers(fields, 9, 3, "cpu"))
+    with pytest.raises(ValueError, match="chunks of 9 rows do not hold whole batches of 4"):
+        next(odd.batches(torch.arange(40), 4))
     with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
-        ChunkedLoader(store, ShardedOrder(40, 4), window=0)
+        chunked_loader(store, ShardedOrder(40, 4), mode="block", window=0)
 
 
 def test_trainer_resume_mid_chunk_is_exact(tmp_path):

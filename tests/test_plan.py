@@ -124,7 +124,10 @@ def test_datamodule_plan_uses_the_probe_and_prints_reasons_with_sizes(cache_dir,
     assert text.startswith(f"strategy: {expected}")
     assert re.search(r"store \d+\.\d [KM]B", text) and "60% of" in text
     if expected == "chunked":
-        assert "chunk_bytes: " in text and set(dm._chunks) == {"train", "val"}
-        assert type(dm.train_dataloader()).__name__ == "ChunkedLoader"
+        assert "chunk_bytes: " in text
+        assert {s: type(src).__name__ for s, src in dm.placement.sources.items()} == {
+            "train": "ChunkedSource", "val": "ChunkedSource"}
+        assert type(dm.train_dataloader().source).__name__ == "ChunkedSource"
     else:
-        assert set(dm._placed) == {"train", "val"}
+        assert {s: type(src).__name__ for s, src in dm.placement.sources.items()} == {
+            "train": "DeviceSource", "val": "DeviceSource"}

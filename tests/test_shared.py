@@ -23,6 +23,7 @@ from _helpers import TinyDataModule
 
 from lightning_fastdata import shared
 from lightning_fastdata.loaders import ShardedOrder, WorkerLoader
+from lightning_fastdata.placement import HostSource
 from lightning_fastdata.shared import SharedArray, SharedMemoryError, share_stores
 from lightning_fastdata.store import Store, build_store
 
@@ -50,21 +51,23 @@ def _mapped_segments(pid: int | str = "self") -> set[str]:
     return out
 
 
-def test_share_copies_bit_equal_unlinks_names_and_release_restores():
+def test_share_copies_bit_equal_unlinks_names_and_leaves_the_store_alone():
     store = _store()
     before = [a.copy() for a in store.fields]
+    original = list(store.fields)
     segs = share_stores({"train": store})
     seg = segs["train"]
     assert seg.name.startswith(shared.prefix()) and str(os.getpid()) in seg.name
     assert _shm_names() == set()  # unlinked at once: the only local rank has attached
     assert any(p.startswith(str(seg.path)) and p.endswith("(deleted)") for p in _mapped_segments())
-    assert all(isinstance(a, SharedArray) and not a.flags.writeable and _backed_by_mmap(a) for a in store.fields)
-    assert all(np.array_equal(a, b) for a, b in zip(store.fields, before, strict=True))
+    arrays = seg.arrays()
+    assert all(isinstance(a, SharedArray) and not a.flags.writeable and _backed_by_mmap(a) for a in arrays)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before, strict=True))
     with pytest.raises(ValueError, match="read-only"):
-        store.fields[0][0, 0, 0, 0] = 1
-    assert store.meta["shared_memory"] == seg.name
-    seg.release(store)
-    assert all(type(a) is np.ndarray for a in store.fields) and "shared_memory" not in store.meta
+        arrays[0][0, 0, 0, 0] = 1
+    assert all(a is b for a, b in zip(store.fields, original, strict=True))  # the store is not modified
+    seg.release()
+    assert seg.closed
 
 
 def test_memmapped_store_is_copied_by_file_reads(cache_dir):
@@ -72,8 +75,8 @@ def test_memmapped_store_is_copied_by_file_reads(cache_dir):
 
     store = build_store(CountingDataset(50), lambda s: s, cache_dir, progress=False)
     expect = [np.array(a) for a in store.fields]
-    share_stores({"train": store})
-    assert all(np.array_equal(a, b) for a, b in zip(store.fields, expect, strict=True))
+    seg = share_stores({"train": store})["train"]
+    assert all(np.array_equal(a, b) for a, b in zip(seg.arrays(), expect, strict=True))
 
 
 def test_segment_created_owner_only_exclusive_and_never_through_a_symlink(tmp_path):
@@ -129,7 +132,7 @@ def _check_worker_maps_segment(worker_id: int) -> None:
     ds = torch.utils.data.get_worker_info().dataset
     mapped = _mapped_segments()
     assert mapped and all(p.endswith("(deleted)") for p in mapped), mapped
-    assert all(_backed_by_mmap(a) for a in ds.fields)
+    assert all(_backed_by_mmap(a) for a in ds.arrays)
 
 
 def _backed_by_mmap(a: np.ndarray) -> bool:
@@ -142,10 +145,11 @@ def _backed_by_mmap(a: np.ndarray) -> bool:
 def test_workers_read_the_shared_pages(context):
     store = _store(64)
     expect = [a.copy() for a in store.fields]
-    share_stores({"train": store})
+    seg = share_stores({"train": store})["train"]
     order = ShardedOrder(64, 16, shuffle=True, seed=3)
-    loader = WorkerLoader(order, store=store, num_workers=1, worker_init_fn=_check_worker_maps_segment,
-                          multiprocessing_context=context)
+    loader = WorkerLoader(order, source=HostSource(seg.arrays(), seg), spec=store.spec,
+                          names=[i.name for i in store.infos], num_workers=1,
+                          worker_init_fn=_check_worker_maps_segment, multiprocessing_context=context)
     seen = []
     for batch in loader:
         idx = batch["label"].numpy()
@@ -156,10 +160,10 @@ def test_workers_read_the_shared_pages(context):
 
 def test_pickle_outside_a_process_start_is_by_value():
     store = _store(8)
-    share_stores({"train": store})
-    blob = pickle.dumps(store.fields[0])
+    field = share_stores({"train": store})["train"].arrays()[0]
+    blob = pickle.dumps(field)
     back = pickle.loads(blob)
-    assert len(blob) > store.fields[0].nbytes and np.array_equal(back, store.fields[0])
+    assert len(blob) > field.nbytes and np.array_equal(back, field)
     assert type(back) is np.ndarray
 
 
@@ -249,12 +253,14 @@ def _dm(cache_dir, **kwargs) -> TinyDataModule:
 def test_datamodule_auto_shares_when_workers_read(cache_dir):
     dm = _dm(cache_dir)
     dm.setup("fit")
-    assert isinstance(dm.stores["train"].fields[0], SharedArray)
+    assert isinstance(dm.placement.sources["train"].arrays[0], SharedArray)
+    assert "train" in dm.placement.segments
     assert dm.plan.reasons["shared_memory"].startswith("on: one copy of train")
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape[1:] == (3, 8, 8) and y.dtype == torch.int64
     dm.teardown("fit")
     gc.collect()  # persistent workers end with their DataLoader (a reference cycle)
+    assert "train" not in dm.placement.sources and "train" not in dm.placement.segments
     assert isinstance(dm.stores["train"].fields[0], np.memmap)
 
 
@@ -266,7 +272,7 @@ def test_datamodule_auto_shares_when_workers_read(cache_dir):
 def test_datamodule_when_to_share(cache_dir, kwargs, used):
     dm = _dm(cache_dir, **kwargs)
     dm.setup("fit")
-    assert isinstance(dm.stores["train"].fields[0], SharedArray) == used
+    assert ("train" in dm.placement.segments) == used
     assert dm.plan.reasons["shared_memory"].startswith("on:" if used else ("off" if "shared_memory" in kwargs
                                                                               else "not used"))
 
@@ -276,7 +282,7 @@ def test_datamodule_too_small_auto_falls_back_on_raises(cache_dir, monkeypatch):
     dm = _dm(cache_dir)
     with pytest.warns(UserWarning, match="--shm-size"):
         dm.setup("fit")
-    assert isinstance(dm.stores["train"].fields[0], np.memmap)
+    assert isinstance(dm.placement.sources["train"].arrays[0], np.memmap) and not dm.placement.segments
     assert dm.plan.reasons["shared_memory"].startswith("fallback to the disk cache")
     assert next(iter(dm.train_dataloader()))[0].shape[1:] == (3, 8, 8)
     dm.teardown("fit")
@@ -296,9 +302,11 @@ def test_many_fields_one_segment_and_a_constant_number_of_fds():
         segs = share_stores(stores)
         opened = len(os.listdir("/proc/self/fd")) - before
         assert len(segs) == 2 and len(_mapped_segments()) == 2  # one segment per split, not per field
-        assert all(np.array_equal(stores["train"].fields[i], fields[f"f{i}"]) for i in range(n_fields))
-        for split, seg in segs.items():
-            seg.release(stores[split])
+        arrays = segs["train"].arrays()
+        assert all(np.array_equal(arrays[i], fields[f"f{i}"]) for i in range(n_fields))
+        del arrays
+        for seg in segs.values():
+            seg.release()
         return opened
 
     few, many = share(2), share(40)

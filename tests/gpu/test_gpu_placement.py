@@ -11,9 +11,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from _helpers import chunked_loader, device_loader
 
-from lightning_fastdata.loaders import ChunkBuffers, ChunkedLoader, DeviceLoader, ShardedOrder, place_fields
-from lightning_fastdata.placement import inject_faults, place
+from lightning_fastdata.loaders import ShardedOrder
+from lightning_fastdata.placement import ChunkBuffers, ChunkedSource, inject_faults, place
 from lightning_fastdata.plan import Resources, decide
 from lightning_fastdata.store import Store
 
@@ -38,7 +39,7 @@ def make_store(n: int) -> Store:
 
 
 def reference(store: Store, order: ShardedOrder, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    return [tuple(t.clone() for t in b) for b in DeviceLoader(place_fields(store, device), store.spec, order)]
+    return [tuple(b) for b in device_loader(store, order, device)]
 
 
 def test_chunked_on_cuda_matches_the_device_loader_with_pinned_staging(cuda):
@@ -47,10 +48,11 @@ def test_chunked_on_cuda_matches_the_device_loader_with_pinned_staging(cuda):
         ref_order, order = ShardedOrder(1000, 32, seed=4), ShardedOrder(1000, 32, seed=4)
         ref_order.set_epoch(epoch)
         order.set_epoch(epoch)
-        loader = ChunkedLoader(store, order, device=cuda, chunk_bytes=3 * 32 * ROW)
-        assert loader.buffers.pinned and loader.buffers.slots[0][0].device == cuda
-        assert loader._stream != torch.cuda.current_stream(cuda)  # copies run on a side stream
-        got = [tuple(t.clone() for t in b) for b in loader]
+        loader = chunked_loader(store, order, device=cuda, chunk_bytes=3 * 32 * ROW)
+        buffers = loader.source.buffers
+        assert buffers.pinned and buffers.slots[0][0].device == cuda
+        assert loader.source._stream != torch.cuda.current_stream(cuda)  # copies run on a side stream
+        got = [tuple(b) for b in loader]
         want = reference(store, ref_order, cuda)
         assert len(got) == len(want) == 32
         for g, w in zip(got, want, strict=True):
@@ -62,11 +64,11 @@ def test_a_slow_consumer_never_sees_a_slot_overwritten(cuda):
     # The consumer's stream is kept busy, so its reads of a chunk run long after they are
     # enqueued; the side stream must wait for them (event) before refilling the slot.
     store = make_store(600)
-    loader = ChunkedLoader(store, ShardedOrder(600, 20, seed=1), device=cuda, chunk_bytes=2 * 20 * ROW)
+    loader = chunked_loader(store, ShardedOrder(600, 20, seed=1), device=cuda, chunk_bytes=2 * 20 * ROW)
     got = []
     for batch in loader:
         torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the next batch's reads
-        got.append(tuple(t.clone() for t in batch))
+        got.append(tuple(batch))  # kept as handed out: a batch never changes afterwards
     want = reference(store, ShardedOrder(600, 20, seed=1), cuda)
     assert all(torch.equal(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
 
@@ -75,14 +77,14 @@ def test_resume_mid_chunk_on_cuda(cuda):
     store = make_store(500)
 
     def fresh():
-        return ChunkedLoader(store, ShardedOrder(500, 16, seed=2), device=cuda, chunk_bytes=4 * 16 * ROW)
+        return chunked_loader(store, ShardedOrder(500, 16, seed=2), device=cuda, chunk_bytes=4 * 16 * ROW)
 
-    full = [tuple(t.clone() for t in b) for b in fresh()]
+    full = [tuple(b) for b in fresh()]
     first = fresh()
-    head = [tuple(t.clone() for t in b) for b in itertools.islice(first, 6)]
+    head = [tuple(b) for b in itertools.islice(first, 6)]
     resumed = fresh()
     resumed.load_state_dict(first.state_dict())
-    tail = [tuple(t.clone() for t in b) for b in resumed]
+    tail = [tuple(b) for b in resumed]
     assert len(head) + len(tail) == len(full)
     assert all(torch.equal(a, b) for g, w in zip(head + tail, full, strict=True) for a, b in zip(g, w, strict=True))
 
@@ -90,9 +92,9 @@ def test_resume_mid_chunk_on_cuda(cuda):
 def test_pinning_failure_falls_back_to_pageable_and_stays_correct(cuda):
     store = make_store(300)
     with inject_faults(pin_fails=True), pytest.warns(RuntimeWarning, match="could not pin"):
-        loader = ChunkedLoader(store, ShardedOrder(300, 10, seed=3), device=cuda, chunk_bytes=3 * 10 * ROW)
-    assert loader.buffers.staging is not None and not loader.buffers.pinned
-    got = [tuple(t.clone() for t in b) for b in loader]
+        loader = chunked_loader(store, ShardedOrder(300, 10, seed=3), device=cuda, chunk_bytes=3 * 10 * ROW)
+    assert loader.source.buffers.staging is not None and not loader.source.buffers.pinned
+    got = [tuple(b) for b in loader]
     want = reference(store, ShardedOrder(300, 10, seed=3), cuda)
     assert all(torch.equal(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
 
@@ -102,7 +104,7 @@ def test_dropping_a_loader_mid_epoch_is_safe(cuda):
     # not hand their memory to a new tensor before the copy finished.
     store = make_store(2000)
     for _ in range(3):
-        loader = ChunkedLoader(store, ShardedOrder(2000, 50, seed=5), device=cuda, chunk_bytes=4 * 50 * ROW)
+        loader = chunked_loader(store, ShardedOrder(2000, 50, seed=5), device=cuda, chunk_bytes=4 * 50 * ROW)
         it = iter(loader)
         next(it)
         it.close()
@@ -128,10 +130,12 @@ def test_oom_fallback_on_cuda_frees_the_partial_preload(cuda):
         placement = place(stores, plan, cuda, config, {"train": 32, "val": 32})
     assert placement.plan.strategy == "chunked"
     held = torch.cuda.memory_allocated(cuda) - before
-    buffers = sum(b.nbytes for b in placement.buffers.values())
+    sources = placement.sources.values()
+    assert all(isinstance(s, ChunkedSource) for s in sources)
+    buffers = sum(s.buffers.nbytes for s in sources)
     # No partial preload left behind: only the chunk buffers (8 tensors, blocks rounded to 512 B).
     assert buffers <= held <= buffers + 8 * 512
-    assert all(b.pinned for b in placement.buffers.values())
+    assert all(s.buffers.pinned for s in sources)
 
 
 def test_chunk_buffers_report_device_bytes(cuda):
@@ -162,7 +166,7 @@ def test_fit_on_gpu_chunked_equals_device(tmp_path, cuda):
     dm_dev, dev, _ = _fit(tmp_path, "device")
     dm_chk, chk, loader = _fit(tmp_path, "chunked")
     assert dm_dev.plan.strategy == "device" and dm_chk.plan.strategy == "chunked"
-    assert isinstance(loader, ChunkedLoader) and loader.buffers.pinned
+    assert isinstance(loader.source, ChunkedSource) and loader.source.buffers.pinned
     assert len(dev.seen) == len(chk.seen) == 2 * 13
     for (x, y), (rx, ry) in zip(chk.seen, dev.seen, strict=True):
         assert x.is_cuda and torch.equal(x, rx) and torch.equal(y, ry)

@@ -1,4 +1,4 @@
-"""place_fields' huge-page placement on the CPU: same values, own memory, alive as long as the tensor."""
+"""Placement: huge-page fields on the CPU, sources that gather fresh batches, chunk buffers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import gc
 import numpy as np
 import torch
 
-from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, place_fields
+from lightning_fastdata.loaders import IndexLoader, ShardedOrder
+from lightning_fastdata.placement import DeviceSource, place_fields
 from lightning_fastdata.store import Store
 
 
@@ -17,7 +18,7 @@ def test_large_fields_placed_bit_equal_and_independent():
     feats = rng.standard_normal((1200, 1100)).astype(np.float32)  # 5 MiB, another dtype
     labels = np.arange(1200, dtype=np.int64)  # small: plain torch.empty
     store = Store.from_arrays({"x": images, "f": feats, "y": labels})
-    fields, spec = place_fields(store, "cpu"), store.spec
+    fields, spec = place_fields(list(store.fields), "cpu"), store.spec
     del store
     gc.collect()
     got = {k: f for k, f in zip(("x", "f", "y"), fields, strict=True)}
@@ -29,11 +30,11 @@ def test_large_fields_placed_bit_equal_and_independent():
     assert images[0].max() != 7 or images[0].min() != 7
 
     order = ShardedOrder(1200, 100, shuffle=True, seed=3)
-    loader = DeviceLoader(fields, spec, order)
+    loader = IndexLoader(DeviceSource(fields), order, spec, ["x", "f", "y"])
     seen = []
     for batch in loader:
         idx = batch["y"]
         assert torch.equal(batch["x"], got["x"][idx]) and torch.equal(batch["f"], got["f"][idx])
-        seen.append(idx.clone())
+        seen.append(idx)
     assert sorted(torch.cat(seen).tolist()) == list(range(1200))
 
