@@ -5,10 +5,14 @@ On synthetic CIFAR-sized (50,000 x 3x32x32 uint8, batch 256) and ImageNet-sized
 random flip + crop(padding 4):
 
 - ``plain``: a per-sample ``Dataset`` applying torchvision v2 ``RandomHorizontalFlip`` +
-  ``RandomCrop`` to each sample, in a ``DataLoader`` at ``num_workers`` 0, 1, 2 (best
-  reported), as most training scripts do;
+  ``RandomCrop`` to each sample, in a ``DataLoader`` (one ``__getitem__`` per sample, then
+  the default collate), as most training scripts do;
+- ``plain_batched``: what a competent user writes without this package: the same
+  arrays and the same per-sample transforms, but a ``Dataset.__getitems__`` that takes
+  the batch's rows with one indexing call, transforms each sample in the worker and
+  stacks them (no per-sample ``__getitem__`` and collate);
 - ``workers``: :class:`~lightning_fastdata.loaders.WorkerLoader` reading whole batches
-  from the store (``num_workers`` 0, 1, 2, best reported), then the batched augmentation;
+  from the store, then the batched augmentation;
 - ``device``: :class:`~lightning_fastdata.loaders.DeviceLoader` gathering batches from
   the placed store, then ``Compose([RandomCrop, RandomHorizontalFlip])`` with a generator
   seeded per batch exactly as ``OptimizedDataModule.augment_batch`` seeds it;
@@ -18,8 +22,10 @@ random flip + crop(padding 4):
   batch-sized slices of the store into one reused batch buffer: the same bytes as a
   gather, read in order).
 
-Each figure is the median of ``--repeats`` timed segments after a warm-up, for every
-``--threads`` setting (``torch.set_num_threads``). Results go to JSON and a markdown
+``plain``, ``plain_batched`` and ``workers`` are measured at every ``--workers`` value
+(default 0, 1, 2, 4, ... up to the CPU count, and the CPU count) and reported at their
+best. Each figure is the median of ``--repeats`` timed segments after a warm-up, for
+every ``--threads`` setting (``torch.set_num_threads``). Results go to JSON and a markdown
 table. On a shared machine, expect noise: compare figures from one run only.
 
 Usage::
@@ -49,6 +55,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from lightning_fastdata import augment as A
+from lightning_fastdata._util import cpu_count
+from lightning_fastdata.demo import worker_candidates
 from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, WorkerLoader, place_fields
 from lightning_fastdata.seeding import derive_seed
 from lightning_fastdata.store import Store
@@ -87,6 +95,27 @@ class PlainDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.transform(torch.from_numpy(self.images[i])), int(self.labels[i])
+
+
+class BatchedPlainDataset(PlainDataset):
+    """What a competent user writes without this package: one ``__getitems__`` call per batch.
+
+    The batch's rows come from the array in one indexing call; each sample still gets
+    its own draw of the same torchvision v2 transforms (a v2 transform called on a whole
+    batch would draw one crop and one flip for all of it), and the results are stacked
+    in the worker. The ``DataLoader`` passes the batch through :func:`as_is`, not the
+    default per-sample collate.
+    """
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.asarray(indices)
+        images = torch.from_numpy(self.images[rows])
+        return torch.stack([self.transform(img) for img in images]), torch.from_numpy(self.labels[rows])
+
+
+def as_is(batch: Any) -> Any:
+    """The ``collate_fn`` of a dataset whose ``__getitems__`` returns the finished batch."""
+    return batch
 
 
 def train_augment(side: int) -> A.Compose:
@@ -176,13 +205,15 @@ def batch_copy_gbps(data: torch.Tensor, batch: int, repeats: int, device: torch.
 
 
 def measure_plain(images: np.ndarray, labels: np.ndarray, side: int, bs: int, workers: list[int],
-                  seg: int, repeats: int, device: torch.device) -> dict[str, Any]:
-    ds = PlainDataset(images, labels, side)
+                  seg: int, repeats: int, device: torch.device, batched: bool = False) -> dict[str, Any]:
+    """The plain ``DataLoader`` at each worker count, per sample or (``batched``) per batch."""
+    ds = (BatchedPlainDataset if batched else PlainDataset)(images, labels, side)
+    collate = {"collate_fn": as_is} if batched else {}
     by_workers = {}
     for w in workers:
         loader = DataLoader(ds, batch_size=bs, shuffle=True, drop_last=True, num_workers=w,
                             persistent_workers=w > 0, pin_memory=device.type == "cuda",
-                            generator=torch.Generator().manual_seed(SEED))
+                            generator=torch.Generator().manual_seed(SEED), **collate)
 
         def stream(loader=loader) -> Iterator[Any]:
             for x, y in epochs(lambda _: iter(loader)):
@@ -294,16 +325,21 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, threads
         workers = measure_workers(store, side, bs, args.workers, plain_seg, args.repeats, device)
         t1 = time.perf_counter()
         plain = measure_plain(images, labels, side, bs, args.workers, plain_seg, args.repeats, device)
+        batched = measure_plain(images, labels, side, bs, args.workers, plain_seg, args.repeats, device,
+                                batched=True)
         print(f"[{name}] threads {t}: device {t1 - t0:.1f}s, plain {time.perf_counter() - t1:.1f}s",
               file=sys.stderr)
         out["by_threads"][str(t)] = {
             "plain": plain,
+            "plain_batched": batched,
             "workers": workers,
             "device": dev,
             "raw_gather": raw,
             "augment_us_per_sample": aug_us,
             "speedup_device_vs_plain": dev["samples_per_s"] / plain["samples_per_s"],
             "speedup_workers_vs_plain": workers["samples_per_s"] / plain["samples_per_s"],
+            "speedup_device_vs_plain_batched": dev["samples_per_s"] / batched["samples_per_s"],
+            "speedup_workers_vs_plain_batched": workers["samples_per_s"] / batched["samples_per_s"],
         }
     return out
 
@@ -312,15 +348,17 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, threads
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| data | threads | plain (best w) | workers (best w) | device | device/plain | "
-            "crop+flip us/sample | raw gather GB/s | of memcpy store / batch |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| data | threads | plain (best w) | plain batched (best w) | workers (best w) | device | "
+            "device/plain | device/batched | crop+flip us/sample | raw gather GB/s | of memcpy store / batch |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["shapes"].items():
         for t, x in r["by_threads"].items():
             rows.append(
                 f"| {name} | {t} | {x['plain']['samples_per_s']:,.0f} ({x['plain']['best_num_workers']}) "
+                f"| {x['plain_batched']['samples_per_s']:,.0f} ({x['plain_batched']['best_num_workers']}) "
                 f"| {x['workers']['samples_per_s']:,.0f} ({x['workers']['best_num_workers']}) "
                 f"| {x['device']['samples_per_s']:,.0f} | {x['speedup_device_vs_plain']:.1f}x "
+                f"| {x['speedup_device_vs_plain_batched']:.1f}x "
                 f"| {x['augment_us_per_sample']:.2f} | {x['raw_gather']['gbps']:.1f} "
                 f"| {x['raw_gather']['fraction_of_memcpy_store']:.0%} / "
                 f"{x['raw_gather']['fraction_of_memcpy_batch']:.0%} |")
@@ -338,12 +376,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny stores and few repeats: a smoke test")
     p.add_argument("--shapes", default="cifar,imagenet", help="comma list of: " + ", ".join(SHAPES))
     p.add_argument("--threads", default="1,2", help="torch.set_num_threads values to measure")
-    p.add_argument("--workers", default="0,1,2", help="num_workers values for plain and workers")
+    p.add_argument("--workers", default=None,
+                   help="num_workers values for plain, plain_batched and workers "
+                        "(default 0,1,2,4,... up to the CPU count, and the CPU count)")
     p.add_argument("--repeats", type=int, default=None, help="timed segments per figure (median)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "loader_throughput.json")
     args = p.parse_args(argv)
     args.threads = [int(t) for t in args.threads.split(",") if t]
-    args.workers = [int(w) for w in args.workers.split(",") if w]
+    args.workers = (worker_candidates(cpu_count()) if args.workers is None
+                    else [int(w) for w in args.workers.split(",") if w])
     args.shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in args.shapes if s not in SHAPES]
     if bad:

@@ -4,15 +4,17 @@ Run ``python -m lightning_fastdata.demo`` (``make demo``). The first run draws a
 dataset of 10 procedurally generated shape classes (32x32 RGB, random colour, position,
 size and noise) and writes it once as PNG files in an ImageFolder layout
 (``<data-dir>/shapes32-.../{train,val}/<class>/*.png``); later runs reuse it. Then the
-model is trained twice from the same seed:
+model is trained three times from the same seed:
 
 * plain: ``torchvision.datasets.ImageFolder`` (PIL decode in ``__getitem__``), per-sample
-  torchvision transforms, a ``DataLoader`` with the usual ``num_workers``;
-* fastdata: :class:`DemoImages`, an :class:`~lightning_fastdata.OptimizedDataModule` over
-  the same folders (decoded once into a cached uint8 store, augmented in batches on the
-  device), with :class:`~lightning_fastdata.FastDataCallback`.
+  torchvision transforms, a ``DataLoader`` at the ``num_workers`` measured fastest for
+  this pipeline among 0..cores (``--num-workers`` forces one);
+* fastdata, twice: :class:`DemoImages`, an :class:`~lightning_fastdata.OptimizedDataModule`
+  over the same folders (decoded once into a cached uint8 store, augmented in batches on
+  the device), with :class:`~lightning_fastdata.FastDataCallback`; the first run builds
+  its cache inside its timed fit, the second reuses it.
 
-Both are timed by the same :class:`~lightning_fastdata.DataWaitProfiler` and compared in
+All are timed by the same :class:`~lightning_fastdata.DataWaitProfiler` and compared in
 one table. :class:`DemoImages` and :class:`DemoCNN` are importable, so a LightningCLI
 config can name them (see ``examples/``).
 """
@@ -25,8 +27,10 @@ import json
 import logging
 import math
 import os
+import platform
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -42,7 +46,7 @@ from PIL import Image, ImageDraw
 from torch import nn
 
 from lightning_fastdata import augment as A
-from lightning_fastdata._util import pid_alive
+from lightning_fastdata._util import atomic_write_text, cpu_count, pid_alive
 from lightning_fastdata.callbacks import FastDataCallback
 from lightning_fastdata.datamodule import OptimizedDataModule
 from lightning_fastdata.profiler import DataWaitProfiler
@@ -173,9 +177,9 @@ def is_complete(path: Path, train_per_class: int, val_per_class: int, seed: int 
     return True
 
 
-def _sweep(data_dir: Path) -> None:
+def _sweep(data_dir: Path, pattern: str = f"{_TMP_PREFIX}shapes32-*") -> None:
     """Remove temporaries that a killed writer left (their pid is in the name and is dead)."""
-    for tmp in data_dir.glob(f"{_TMP_PREFIX}shapes32-*"):
+    for tmp in data_dir.glob(pattern):
         try:
             pid = int(tmp.name.rsplit("-", 2)[-2])
         except (ValueError, IndexError):
@@ -379,7 +383,7 @@ class DemoCNN(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-# --------------------------------------------------------------------------- the two runs
+# --------------------------------------------------------------------------- the runs
 
 
 def train_augment() -> A.Compose:
@@ -405,7 +409,7 @@ def _trainer(epochs: int, profiler: DataWaitProfiler, root: Path) -> L.Trainer:
 
 
 def _result(
-    name: str, profiler: DataWaitProfiler, model: DemoCNN, epochs: int, setup_s: float, fit_s: float
+    name: str, profiler: DataWaitProfiler, model: DemoCNN, epochs: int, whole_fit_s: float
 ) -> dict[str, Any]:
     rep = profiler.report()
     per_epoch = rep["samples"] / max(epochs, 1)
@@ -418,20 +422,77 @@ def _result(
         "val_acc": model.val_acc,
         "steps": rep["steps"],
         "samples": rep["samples"],
-        "setup_s": setup_s,
-        "fit_s": fit_s,
+        "whole_fit_s": whole_fit_s,
     }
 
 
-def _cores() -> int:
-    return (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def worker_candidates(cores: int) -> list[int]:
+    """The plain run's ``num_workers`` to measure: 0, 1, 2, 4, ... below ``cores``, and ``cores``.
+
+    Every value from 0 to ``cores`` on small machines (0/1/2 on 2 cores); powers of two
+    in between on large ones, so measuring stays a few seconds on 16 or 64 cores.
+    """
+    if cores < 0:
+        raise ValueError(f"cores must be >= 0, got {cores}")
+    out, k = {0, cores}, 1
+    while k < cores:
+        out.add(k)
+        k *= 2
+    return sorted(out)
+
+
+def _plain_transforms() -> tuple[Any, Any]:
+    """Per-sample torchvision v2 pipelines of the plain run: (train, val)."""
+    from torchvision.transforms import v2 as T
+
+    to_float = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
+    train = T.Compose([T.RandomCrop(IMAGE_SIZE, padding=4), T.RandomHorizontalFlip(), *to_float])
+    return train, T.Compose(to_float)
+
+
+def _plain_loader(
+    dataset: Any, batch_size: int, shuffle: bool, num_workers: int, persistent: bool
+) -> Any:
+    from torch.utils.data import DataLoader
+
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=persistent and num_workers > 0,
     )
 
 
-def default_num_workers() -> int:
-    """The usual choice: ``min(4, cores)``."""
-    return min(4, _cores())
+def _epochs(loader: Any) -> Any:
+    """Batches of ``loader``, epoch after epoch: a small training split still fills the timing."""
+    while True:
+        yield from loader
+
+
+def measure_plain_workers(
+    path: Path, batch_size: int, candidates: Sequence[int], device: torch.device | str = "cpu"
+) -> dict[int, float]:
+    """Loader-only samples/s of the plain training pipeline for each ``num_workers`` candidate.
+
+    The same ImageFolder + per-sample transforms + DataLoader as :func:`run_plain`, each
+    batch moved to ``device``; per candidate, ``2 + num_workers`` warm-up batches (the
+    workers are started and the first batches they made all at once are drained) before
+    ``8 + num_workers`` timed ones (see :func:`~lightning_fastdata.autotune.time_loader`).
+    """
+    from torchvision.datasets import ImageFolder
+
+    from lightning_fastdata.autotune import time_loader
+
+    train_tf, _ = _plain_transforms()
+    dataset = ImageFolder(str(path / "train"), transform=train_tf)
+    rates: dict[int, float] = {}
+    for nw in candidates:
+        loader = _plain_loader(dataset, batch_size, True, nw, persistent=False)
+        # Closing the generator drops the loader's iterator, which stops its workers now.
+        rates[nw] = time_loader(_epochs(loader), device, batches=8 + nw, warmup=2 + nw)[0]
+    return rates
 
 
 def run_plain(
@@ -440,46 +501,56 @@ def run_plain(
     batch_size: int,
     seed: int,
     work_dir: Path,
-    num_workers: int | None = None,
+    num_workers: int,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Train with ImageFolder + per-sample torchvision transforms + a DataLoader with workers."""
-    from torch.utils.data import DataLoader
-    from torchvision.datasets import ImageFolder
-    from torchvision.transforms import v2 as T
+    """Train with ImageFolder + per-sample torchvision transforms + a DataLoader with workers.
 
-    nw = default_num_workers() if num_workers is None else num_workers
-    to_float = [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
-    train_tf = T.Compose([T.RandomCrop(IMAGE_SIZE, padding=4), T.RandomHorizontalFlip(), *to_float])
+    The whole fit is timed from building the datasets and loaders to the end of
+    ``trainer.fit``.
+    """
+    from torchvision.datasets import ImageFolder
+
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    train_tf, val_tf = _plain_transforms()
     t0 = time.perf_counter()
     L.seed_everything(seed, workers=True, verbose=False)
-    pin = torch.cuda.is_available()
-    common = dict(num_workers=nw, pin_memory=pin, persistent_workers=nw > 0)
-    train = DataLoader(
-        ImageFolder(str(path / "train"), transform=train_tf),
-        batch_size=batch_size,
-        shuffle=True,
-        **common,
+    train = _plain_loader(
+        ImageFolder(str(path / "train"), transform=train_tf), batch_size, True, num_workers, True
     )
-    val = DataLoader(
-        ImageFolder(str(path / "val"), transform=T.Compose(to_float)),
-        batch_size=batch_size,
-        shuffle=False,
-        **common,
+    val = _plain_loader(
+        ImageFolder(str(path / "val"), transform=val_tf), batch_size, False, num_workers, True
     )
     model = DemoCNN()
     profiler = DataWaitProfiler()
     trainer = _trainer(epochs, profiler, work_dir)
     setup_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
     trainer.fit(model, train, val)
-    return _result(
-        f"plain DataLoader ({nw} workers)",
+    out = _result(
+        name or f"plain DataLoader ({num_workers} workers)",
         profiler,
         model,
         epochs,
-        setup_s,
-        time.perf_counter() - t1,
+        time.perf_counter() - t0,
     )
+    out.update(num_workers=num_workers, setup_s=setup_s)
+    return out
+
+
+class _TimedDemoImages(DemoImages):
+    """:class:`DemoImages` that records how long Lightning's ``prepare_data`` call took."""
+
+    prepare_s: float = 0.0
+
+    def prepare_data(self) -> None:
+        t0 = time.perf_counter()
+        super().prepare_data()
+        self.prepare_s += time.perf_counter() - t0
+
+
+def _store_dirs(cache_dir: str) -> set[str]:
+    return {str(p.relative_to(cache_dir)) for p in Path(cache_dir).rglob("*") if p.is_dir()}
 
 
 def run_fastdata(
@@ -491,10 +562,16 @@ def run_fastdata(
     cache_dir: str,
     work_dir: Path,
 ) -> dict[str, Any]:
-    """Train with :class:`DemoImages` (cached uint8 store, batched on-device augmentation)."""
+    """Train with :class:`DemoImages` (cached uint8 store, batched on-device augmentation).
+
+    The whole fit is timed from building the data module to the end of ``trainer.fit``,
+    so it includes ``prepare_data``: the cache build when ``cache_dir`` has no valid cache
+    (``cache_built`` is then true), else the check that reuses it.
+    """
+    before = _store_dirs(cache_dir)
     t0 = time.perf_counter()
     L.seed_everything(seed, workers=True, verbose=False)
-    dm = DemoImages(
+    dm = _TimedDemoImages(
         root=path_root,
         train_per_class=sizes[0],
         val_per_class=sizes[1],
@@ -508,39 +585,96 @@ def run_fastdata(
     model = DemoCNN()
     callback = FastDataCallback()
     trainer = _trainer(epochs, callback, work_dir)
-    # Build (or reuse) the cache before fit, so its one-time cost is reported on its own.
-    dm.prepare_data()
-    setup_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
     trainer.fit(model, datamodule=dm)
+    whole_s = time.perf_counter() - t0
     strategy = dm.plan.strategy if dm.plan is not None else "?"
-    return _result(
-        f"fastdata ({strategy})", callback, model, epochs, setup_s, time.perf_counter() - t1
+    out = _result(f"fastdata ({strategy})", callback, model, epochs, whole_s)
+    out.update(
+        strategy=strategy,
+        cache_build_s=dm.prepare_s,
+        cache_built=_store_dirs(cache_dir) != before,
     )
+    return out
+
+
+def _warm_up(device: str, batch_size: int) -> None:
+    """One forward and backward pass of a throwaway model before anything is timed.
+
+    The CUDA context, cuDNN's and the CPU kernels' first-call costs are paid here, so
+    neither run (the first one above all) pays them inside its timing.
+    """
+    model = DemoCNN().to(device)
+    x = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
+    y = torch.zeros(batch_size, dtype=torch.long, device=device)
+    F.cross_entropy(model(x), y).backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _ratio(old: float | None, new: float | None) -> float | None:
+    """``old / new``: above 1 when ``new`` takes less time (or, for rates, pass them swapped)."""
+    if old is None or new is None or not new or not math.isfinite(old / new):
+        return None
+    return old / new
+
+
+def speedups(result: dict[str, Any]) -> dict[str, float | None]:
+    """Every ratio the table shows, above 1 where fastdata is faster, below 1 where it is slower."""
+    plain, fast, cached = result["plain"], result["fastdata"], result.get("fastdata_cached")
+    return {
+        "epoch_time": _ratio(plain["epoch_time_s"], fast["epoch_time_s"]),
+        "samples_per_s": _ratio(fast["samples_per_s"], plain["samples_per_s"]),
+        "whole_fit_first_run": _ratio(plain["whole_fit_s"], fast["whole_fit_s"]),
+        "whole_fit_cache_reused": _ratio(plain["whole_fit_s"], cached and cached["whole_fit_s"]),
+    }
 
 
 # --------------------------------------------------------------------------- report
 
 
-def format_table(plain: dict[str, Any], fast: dict[str, Any], epochs: int) -> str:
-    """The side-by-side table with the speed-up column."""
+def _fmt_ratio(r: float | None) -> str:
+    """A speed-up, with a loss said as plainly as a win."""
+    if r is None:
+        return "-"
+    return f"{r:.2f}x" if r >= 1 else f"{r:.2f}x (slower)"
 
-    def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}x" if b and math.isfinite(a / b) else "-"
+
+def _workers_line(plain: dict[str, Any]) -> str | None:
+    rates = plain.get("workers_measured")
+    if not rates:
+        return None
+    by = " / ".join(f"{k}: {v:,.0f}" for k, v in sorted(rates.items(), key=lambda kv: int(kv[0])))
+    took = plain.get("measure_s")
+    took_s = f"; measured in {took:.1f} s before the runs" if took is not None else ""
+    return f"          loader-only samples/s by num_workers: {by}{took_s}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The side-by-side table of one demo result (as written by ``--json-out``), with ratios.
+
+    The rows above "whole fit" come from the fastdata run that built its cache. A run
+    that is missing (``fastdata_cached`` is ``None`` in results of the earlier demo
+    format) shows as "not measured".
+    """
+    plain, fast, cached = result["plain"], result["fastdata"], result.get("fastdata_cached")
+    ratios = speedups(result)
+
+    def secs(v: float | None) -> str:
+        return "not measured" if v is None else f"{v:.2f} s"
 
     rows = [
         ("", "plain", "fastdata", "speed-up"),
         (
             "epoch time (last, train+val)",
-            f"{plain['epoch_time_s']:.2f} s",
-            f"{fast['epoch_time_s']:.2f} s",
-            ratio(plain["epoch_time_s"], fast["epoch_time_s"]),
+            secs(plain["epoch_time_s"]),
+            secs(fast["epoch_time_s"]),
+            _fmt_ratio(ratios["epoch_time"]),
         ),
         (
             "samples/s (train)",
             f"{plain['samples_per_s']:,.0f}",
             f"{fast['samples_per_s']:,.0f}",
-            ratio(fast["samples_per_s"], plain["samples_per_s"]),
+            _fmt_ratio(ratios["samples_per_s"]),
         ),
         (
             "step time waiting for data",
@@ -549,22 +683,23 @@ def format_table(plain: dict[str, Any], fast: dict[str, Any], epochs: int) -> st
             "",
         ),
         (
-            f"val accuracy after {epochs} epochs",
+            f"val accuracy after {result['epochs']} epochs",
             f"{plain['val_acc']:.1%}",
             f"{fast['val_acc']:.1%}",
             "",
         ),
         (
-            "setup before fit (cache build)",
-            f"{plain['setup_s']:.2f} s",
-            f"{fast['setup_s']:.2f} s",
-            "",
+            "whole fit, first run",
+            secs(plain["whole_fit_s"]),
+            secs(fast["whole_fit_s"]),
+            _fmt_ratio(ratios["whole_fit_first_run"]),
         ),
+        ("  of which prepare_data (cache build)", "-", secs(fast.get("cache_build_s")), ""),
         (
-            "whole fit",
-            f"{plain['fit_s']:.2f} s",
-            f"{fast['fit_s']:.2f} s",
-            ratio(plain["fit_s"], fast["fit_s"]),
+            "whole fit, cache reused",
+            secs(plain["whole_fit_s"]),
+            secs(cached and cached["whole_fit_s"]),
+            _fmt_ratio(ratios["whole_fit_cache_reused"]),
         ),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -572,11 +707,25 @@ def format_table(plain: dict[str, Any], fast: dict[str, Any], epochs: int) -> st
         "  ".join(
             c.ljust(w) if i == 0 else c.rjust(w)
             for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
+        ).rstrip()
         for r in rows
     ]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join([f"plain:    {plain['name']}", f"fastdata: {fast['name']}", "", *lines])
+    lines.insert(1, "-" * max(len(line) for line in lines))
+    head = [f"plain:    {plain['name']}"]
+    workers = _workers_line(plain)
+    if workers:
+        head.append(workers)
+    head.append(f"fastdata: {fast['name']}")
+    return "\n".join([*head, "", *lines])
+
+
+NOTES = """\
+whole fit: from building the loaders (plain) or the data module (fastdata) to the end of
+trainer.fit, so fastdata's first run includes building its cache in prepare_data; the
+plain run has no cache, so its one whole fit is on both rows. The other rows are from
+fastdata's first run. A speed-up below 1x is a loss.
+waiting for data: share of the training steps' wall time spent between the end of one
+step and the start of the next (fetch, host-to-device copy, augmentation launch)."""
 
 
 def _quiet() -> None:
@@ -586,6 +735,13 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
     # Lightning's own use of a deprecated torch API; nothing a demo user can act on.
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+def _fresh_cache(parent: Path) -> Path:
+    """A new, empty cache folder for this demo run (its name carries our pid for the sweep)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    _sweep(parent, f"{_TMP_PREFIX}demo-cache-*")
+    return Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}demo-cache-{os.getpid()}-", dir=parent))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -598,7 +754,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="demo_data",
         help="where the PNG dataset is written (default %(default)s)",
     )
-    p.add_argument("--cache-dir", default=None, help="fastdata cache (default <data-dir>/cache)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where fastdata's cache is built, in a fresh folder removed at exit "
+        "(default <data-dir>/cache)",
+    )
     p.add_argument("--epochs", type=int, default=2, help="epochs per run (default %(default)s)")
     p.add_argument(
         "--batch-size", type=int, default=None, help="batch size (default 128, 32 with --quick)"
@@ -607,9 +768,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--num-workers",
         type=int,
         default=None,
-        help="plain DataLoader workers (default min(4, cores))",
+        help="plain DataLoader workers (default: the fastest measured among 0..cores)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of both runs (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every run (default %(default)s)")
     p.add_argument(
         "--quick", action="store_true", help=f"tiny dataset {SIZES['quick']} per class, for tests"
     )
@@ -621,48 +782,83 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batch_size = 32 if args.quick else 128
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_workers is not None and args.num_workers < 0:
+        p.error(f"--num-workers must be >= 0, got {args.num_workers}")
     _quiet()
     sizes = SIZES["quick" if args.quick else "full"]
-    cache_dir = args.cache_dir or str(Path(args.data_dir) / "cache")
     work_dir = Path(args.data_dir)
     path = make_dataset(args.data_dir, *sizes, verbose=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    cores = cpu_count()
     print(
         f"training DemoCNN for {args.epochs} epochs on {10 * sizes[0]} images ({device}, "
-        f"torch threads {torch.get_num_threads()}), validating on {10 * sizes[1]}",
+        f"{cores} cores, torch threads {torch.get_num_threads()}), validating on {10 * sizes[1]}",
         flush=True,
     )
-    print("run 1/2: plain DataLoader ...", flush=True)
-    plain = run_plain(path, args.epochs, args.batch_size, args.seed, work_dir, args.num_workers)
-    print("run 2/2: fastdata ...", flush=True)
-    fast = run_fastdata(
-        args.data_dir, sizes, args.epochs, args.batch_size, args.seed, cache_dir, work_dir
-    )
-    print()
-    print(format_table(plain, fast, args.epochs))
-    print(
-        "\nwaiting for data: share of the training steps' wall time spent between the end of one"
-        "\nstep and the start of the next (fetch, host-to-device copy, augmentation launch)."
-    )
-    if device == "cpu":
+    _warm_up(device, args.batch_size)
+    rates: dict[int, float] | None = None
+    measure_s: float | None = None
+    if args.num_workers is None:
+        candidates = worker_candidates(cores)
         print(
-            f"cpu run: the model's compute shares {_cores()} cores with the plain run's worker "
-            "processes."
+            f"measuring the plain DataLoader at num_workers {'/'.join(map(str, candidates))} "
+            "(loader only) ...",
+            flush=True,
         )
+        t0 = time.perf_counter()
+        rates = measure_plain_workers(path, args.batch_size, candidates, device)
+        measure_s = time.perf_counter() - t0
+        nw = max(rates, key=lambda k: rates[k])
+        name = f"plain DataLoader (best of {'/'.join(map(str, candidates))} workers: {nw})"
+    else:
+        nw = args.num_workers
+        name = f"plain DataLoader ({nw} workers, set by --num-workers)"
+    print(f"run 1/3: {name} ...", flush=True)
+    plain = run_plain(path, args.epochs, args.batch_size, args.seed, work_dir, nw, name)
+    plain.update(
+        workers_measured={str(k): v for k, v in rates.items()} if rates else None,
+        measure_s=measure_s,
+    )
+    cache_dir = _fresh_cache(Path(args.cache_dir or work_dir / "cache"))
+    try:
+        runs = []
+        for i, what in ((2, "first run, builds its cache"), (3, "second run, cache reused")):
+            print(f"run {i}/3: fastdata, {what} ...", flush=True)
+            runs.append(
+                run_fastdata(
+                    args.data_dir, sizes, args.epochs, args.batch_size, args.seed, str(cache_dir),
+                    work_dir,
+                )
+            )
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    result: dict[str, Any] = {
+        "format": 2,
+        "plain": plain,
+        "fastdata": runs[0],
+        "fastdata_cached": runs[1],
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "train_images": 10 * sizes[0],
+        "val_images": 10 * sizes[1],
+        "quick": args.quick,
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.machine(),
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "command": " ".join(["python -m lightning_fastdata.demo", *(sys.argv[1:] if argv is None else argv)]),
+    }
+    result["speedups"] = speedups(result)
+    print()
+    print(format_table(result))
+    print()
+    print(NOTES)
+    if device == "cpu":
+        print(f"cpu run: the model's compute shares {cores} cores with the plain run's workers.")
     if args.json_out:
-        out = {
-            "plain": plain,
-            "fastdata": fast,
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "train_images": 10 * sizes[0],
-            "val_images": 10 * sizes[1],
-            "device": device,
-            "speedup_epoch_time": plain["epoch_time_s"] / fast["epoch_time_s"]
-            if fast["epoch_time_s"]
-            else None,
-        }
-        Path(args.json_out).write_text(json.dumps(out, indent=1))
+        atomic_write_text(args.json_out, json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -1,7 +1,10 @@
-"""The loader benchmark runs end to end in --quick mode and writes the documented JSON (no timing asserts)."""
+"""The benchmarks: the loader benchmark runs in --quick mode and writes the documented JSON, its
+batched baseline draws what the per-sample one draws, and the documents' tables are what the
+committed JSON renders to (no timing asserts)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,8 +12,134 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
+
+# The table renderers import these; importing them creates torch's compile cache folder in
+# TMPDIR, which must happen at collection, not inside a test that checks for leftovers.
+import lightning_fastdata.cli  # noqa: F401
+import lightning_fastdata.demo  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return _module("tables")
+
+
+@pytest.fixture(scope="module")
+def loader_bench():
+    return _module("loader_throughput")
+
+
+# --------------------------------------------------------------------------- generated tables
+
+
+def test_committed_documents_are_what_the_committed_json_renders(tables):
+    stale = tables.rewrite(ROOT, check=True)
+    assert not stale, (f"{[str(p.relative_to(ROOT)) for p in stale]} disagree with benchmarks/results/*.json; "
+                       "run: python benchmarks/tables.py")
+
+
+def test_every_table_is_shown_and_reads_existing_results(tables):
+    used = tables.used_tables(ROOT)
+    assert set(used) == set(tables.TABLES), "a registered table is shown nowhere, or a marker names no table"
+    for name, (sources, _) in tables.TABLES.items():
+        for src in sources:
+            assert (ROOT / tables.RESULTS / src).is_file(), (name, src)
+
+
+def test_rewrite_replaces_only_the_marked_block(tables, tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    peers = ROOT / "benchmarks" / "results" / "peers.json"
+    (tmp_path / "benchmarks" / "results" / "peers.json").write_text(peers.read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- table:peers -->\nstale | 1 |\n<!-- /table -->\noutro\n")
+    (tmp_path / "docs" / "a.md").write_text("no tables here\n")
+    assert tables.rewrite(tmp_path) == [readme]
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- table:peers -->\n") and text.endswith("<!-- /table -->\noutro\n")
+    assert "stale" not in text and "| lightning_fastdata device |" in text
+    assert tables.rewrite(tmp_path) == []  # idempotent
+    # A change in the JSON shows up in the document.
+    data = json.loads(peers.read_text())
+    data["summary"][2]["samples_per_s"] = 123.0
+    data["summary"][2]["vs_dataloader"] = 0.5
+    (tmp_path / "benchmarks" / "results" / "peers.json").write_text(json.dumps(data))
+    assert tables.rewrite(tmp_path, check=True) == [readme]
+    assert tables.rewrite(tmp_path) == [readme]
+    assert "| lightning_fastdata device | store on cpu | 123 | 0.50x (slower) |" in readme.read_text()
+
+
+@pytest.mark.parametrize("text, error", [
+    ("<!-- table:nope -->\n<!-- /table -->\n", "unknown table 'nope'"),
+    ("<!-- table:peers -->\nx\n", "table 'peers' is not closed"),
+    ("<!-- table:peers -->\n<!-- table:peers -->\n<!-- /table -->\n", "a table marker inside table 'peers'"),
+    ("x\n<!-- /table -->\n", "without a '<!-- table:NAME -->' before it"),
+])
+def test_bad_markers_are_named_with_their_line(tables, text, error):
+    with pytest.raises(tables.TableError, match=error) as info:
+        tables.render(text, ROOT / tables.RESULTS, "doc.md")
+    assert "doc.md:" in str(info.value)
+
+
+def test_check_mode_exits_1_and_writes_nothing(tables, tmp_path, capsys):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    src = ROOT / "benchmarks" / "results" / "peers.json"
+    (tmp_path / "benchmarks" / "results" / "peers.json").write_text(src.read_text())
+    text = "<!-- table:peers -->\n<!-- /table -->\n"
+    (tmp_path / "README.md").write_text(text)
+    assert tables.main(["--check", "--root", str(tmp_path)]) == 1
+    assert (tmp_path / "README.md").read_text() == text
+    assert "README.md: out of date" in capsys.readouterr().out
+    assert tables.main(["--root", str(tmp_path)]) == 0
+    assert tables.main(["--check", "--root", str(tmp_path)]) == 0
+
+
+def test_earlier_demo_results_render_their_missing_run_as_not_measured(tables):
+    old = json.loads((ROOT / "benchmarks" / "results" / "demo_h200.json").read_text())
+    assert "format" not in old  # the file this conversion exists for
+    new = tables.demo_result(old)
+    assert new["fastdata_cached"] is None
+    assert new["fastdata"]["whole_fit_s"] == pytest.approx(old["fastdata"]["setup_s"] + old["fastdata"]["fit_s"])
+    text = tables.demo_h200(ROOT / tables.RESULTS)
+    assert "whole fit, cache reused" in text and "not measured" in text
+
+
+# --------------------------------------------------------------------------- the loader benchmark
+
+
+def test_batched_baseline_draws_what_the_per_sample_one_draws(loader_bench):
+    images, labels = loader_bench.synthetic(16, 32)
+    per_sample = loader_bench.PlainDataset(images, labels, 32)
+    batched = loader_bench.BatchedPlainDataset(images, labels, 32)
+    idx = [5, 0, 11, 3, 3, 9, 14, 1]
+    torch.manual_seed(7)
+    expect = torch.stack([per_sample[i][0] for i in idx])
+    torch.manual_seed(7)
+    x, y = batched.__getitems__(idx)
+    # The same transforms with the same draws in the same order: one independent crop and flip per sample.
+    assert torch.equal(x, expect)
+    assert torch.equal(y, torch.from_numpy(labels[idx]))
+    assert x.dtype == torch.uint8 and x.shape == (8, 3, 32, 32)
+    # One draw per sample, not one for the whole batch: 64 copies of one image come out in many crops/flips.
+    torch.manual_seed(0)
+    same, _ = batched.__getitems__([0] * 64)
+    assert len({m.numpy().tobytes() for m in same}) > 20
+    # In a DataLoader the batch passes through as built (no per-sample collate).
+    loader = DataLoader(batched, batch_size=4, collate_fn=loader_bench.as_is)
+    xb, yb = next(iter(loader))
+    assert xb.shape == (4, 3, 32, 32) and yb.shape == (4,)
 
 
 @pytest.mark.slow
@@ -36,15 +165,22 @@ def test_loader_throughput_quick_writes_json(tmp_path):
         assert {"samples", "side", "batch_size", "sample_bytes", "memcpy", "by_threads"} <= set(shape)
         assert shape["memcpy"]["batch_gbps"] > 0
         r = shape["by_threads"]["1"]
-        assert {"plain", "workers", "device", "raw_gather", "augment_us_per_sample",
-                "speedup_device_vs_plain", "speedup_workers_vs_plain"} <= set(r)
-        for key in ("plain", "workers"):
+        assert {"plain", "plain_batched", "workers", "device", "raw_gather", "augment_us_per_sample",
+                "speedup_device_vs_plain", "speedup_workers_vs_plain", "speedup_device_vs_plain_batched",
+                "speedup_workers_vs_plain_batched"} <= set(r)
+        for key in ("plain", "plain_batched", "workers"):
             assert set(r[key]["by_num_workers"]) == {"0", "1"}
             assert r[key]["best_num_workers"] in (0, 1)
-        for key in ("plain", "workers", "device", "raw_gather"):
+        for key in ("plain", "plain_batched", "workers", "device", "raw_gather"):
             assert r[key]["samples_per_s"] > 0 and len(r[key]["repeats"]) == res["meta"]["repeats"]
         assert {"gbps", "fraction_of_memcpy_store", "fraction_of_memcpy_batch"} <= set(r["raw_gather"])
     assert not list(tmp_path.glob(".tmp-*"))  # the JSON is published atomically
+    # The tables render from a result of the new format, batched baseline included.
+    tables = _module("tables")
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "loader_throughput.json").write_text(out.read_text())
+    text = tables.loader_throughput(tmp_path / "res")
+    assert "not measured" not in text and "quick smoke-test run" in text
 
 
 def test_loader_throughput_rejects_unknown_shape(tmp_path):

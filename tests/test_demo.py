@@ -15,6 +15,7 @@ import pytest
 from _helpers import run_demo
 from PIL import Image
 
+from lightning_fastdata._util import cpu_count
 from lightning_fastdata.demo import (
     CLASSES,
     SIZES,
@@ -22,8 +23,11 @@ from lightning_fastdata.demo import (
     DemoImages,
     dataset_dir,
     draw_image,
+    format_table,
     is_complete,
     make_dataset,
+    speedups,
+    worker_candidates,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +94,42 @@ def test_bad_sizes_name_the_parameter(tmp_path):
         DemoCNN(width=0)
 
 
+def test_worker_candidates_span_zero_to_cores():
+    assert worker_candidates(0) == [0]
+    assert worker_candidates(1) == [0, 1]
+    assert worker_candidates(2) == [0, 1, 2]
+    assert worker_candidates(6) == [0, 1, 2, 4, 6]
+    assert worker_candidates(16) == [0, 1, 2, 4, 8, 16]
+    with pytest.raises(ValueError, match="cores must be >= 0, got -1"):
+        worker_candidates(-1)
+
+
+def _run(epoch_s: float, whole_s: float, **extra) -> dict:
+    return {"name": "x", "epoch_time_s": epoch_s, "samples_per_s": 1000 / epoch_s, "data_wait_frac": 0.1,
+            "val_acc": 0.5, "whole_fit_s": whole_s, **extra}
+
+
+def test_table_says_losses_as_plainly_as_wins():
+    result = {
+        "epochs": 2,
+        "plain": _run(1.0, 3.0, workers_measured={"0": 900.0, "1": 1200.0, "2": 1100.0}, measure_s=1.5),
+        "fastdata": _run(0.5, 4.0, cache_build_s=2.5),  # faster epochs, slower first whole fit
+        "fastdata_cached": _run(0.5, 1.5),
+    }
+    assert speedups(result) == pytest.approx({"epoch_time": 2.0, "samples_per_s": 2.0,
+                                              "whole_fit_first_run": 0.75, "whole_fit_cache_reused": 2.0})
+    table = format_table(result)
+    rows = {line.strip().split("  ")[0]: line for line in table.splitlines()}
+    assert rows["epoch time (last, train+val)"].endswith("2.00x")
+    assert rows["whole fit, first run"].endswith("0.75x (slower)")
+    assert "2.50 s" in rows["of which prepare_data (cache build)"]
+    assert rows["whole fit, cache reused"].endswith("2.00x")
+    assert "0: 900 / 1: 1,200 / 2: 1,100; measured in 1.5 s" in table
+    # A run that was not made is said so, not left out or guessed.
+    table = format_table({**result, "fastdata_cached": None})
+    assert "not measured" in next(line for line in table.splitlines() if line.startswith("whole fit, cache reused"))
+
+
 @pytest.mark.slow
 def test_killed_writer_leaves_no_complete_dataset(tmp_path):
     code = (
@@ -118,25 +158,48 @@ def test_killed_writer_leaves_no_complete_dataset(tmp_path):
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path):
     out = tmp_path / "result.json"
-    proc = run_demo(tmp_path, "--quick", "--data-dir", str(tmp_path / "data"), "--json-out", str(out))
+    data = tmp_path / "data"
+    proc = run_demo(tmp_path, "--quick", "--data-dir", str(data), "--json-out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for row in ("epoch time", "samples/s", "waiting for data", "val accuracy", "speed-up"):
+    for row in ("epoch time", "samples/s", "waiting for data", "val accuracy", "speed-up",
+                "whole fit, first run", "of which prepare_data (cache build)", "whole fit, cache reused"):
         assert row in proc.stdout, proc.stdout
     result = json.loads(out.read_text())
     chance = 1 / len(CLASSES)
     train_n = len(CLASSES) * SIZES["quick"][0]
-    for run in ("plain", "fastdata"):
+    for run in ("plain", "fastdata", "fastdata_cached"):
         r = result[run]
         assert r["val_acc"] > 2.5 * chance, (run, r)
         assert r["samples"] == 2 * train_n
-        assert r["epoch_time_s"] > 0 and r["samples_per_s"] > 0
+        assert r["epoch_time_s"] > 0 and r["samples_per_s"] > 0 and r["whole_fit_s"] > 0
         assert 0.0 <= r["data_wait_frac"] < 1.0
-    assert result["fastdata"]["name"].startswith("fastdata")
-    png = next((dataset_dir(tmp_path / "data", *SIZES["quick"]) / "val").rglob("*.png"))
+    # The plain run trains at the fastest of the measured worker counts, and says which.
+    plain = result["plain"]
+    candidates = worker_candidates(cpu_count())
+    assert sorted(int(k) for k in plain["workers_measured"]) == candidates
+    best = max(plain["workers_measured"], key=plain["workers_measured"].get)
+    assert plain["num_workers"] == int(best) and plain["measure_s"] > 0
+    assert f"best of {'/'.join(map(str, candidates))} workers: {best}" in plain["name"] in proc.stdout
+    # The first fastdata run builds its cache inside its timed fit; the second reuses it.
+    fast, cached = result["fastdata"], result["fastdata_cached"]
+    assert fast["name"].startswith("fastdata") and fast["cache_built"] is True and not cached["cache_built"]
+    assert 0 < fast["cache_build_s"] < fast["whole_fit_s"]
+    assert result["speedups"]["whole_fit_first_run"] == pytest.approx(plain["whole_fit_s"] / fast["whole_fit_s"])
+    assert result["speedups"]["whole_fit_cache_reused"] == pytest.approx(plain["whole_fit_s"] / cached["whole_fit_s"])
+    assert result["quick"] is True and result["format"] == 2
+    assert list((data / "cache").iterdir()) == []  # the demo's cache folder is removed at exit
+    png = next((dataset_dir(data, *SIZES["quick"]) / "val").rglob("*.png"))
     with Image.open(png) as im:
         assert im.format == "PNG"
-    # The second run reuses the dataset and the cache: nothing is written again.
-    proc = run_demo(tmp_path, "--quick", "--epochs", "1", "--data-dir", str(tmp_path / "data"))
+    # The second demo reuses the dataset; --num-workers skips the measurement.
+    proc = run_demo(tmp_path, "--quick", "--epochs", "1", "--num-workers", "0", "--data-dir", str(data))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "writing the demo dataset" not in proc.stdout
+    assert "measuring the plain DataLoader" not in proc.stdout
+    assert "plain DataLoader (0 workers, set by --num-workers)" in proc.stdout
     assert "val accuracy after 1 epochs" in proc.stdout
+
+
+def test_bad_num_workers_is_refused(tmp_path):
+    proc = run_demo(tmp_path, "--quick", "--num-workers", "-1", "--data-dir", str(tmp_path / "data"))
+    assert proc.returncode == 2 and "--num-workers must be >= 0, got -1" in proc.stderr
