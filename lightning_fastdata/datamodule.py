@@ -10,6 +10,7 @@ their samples; ``on_after_batch_transfer`` augments each sample on the device, k
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -104,6 +105,10 @@ class OptimizedDataModule(L.LightningDataModule):
             image and the rest ``other``).
         augment_field: Shorthand for ``field_kinds={augment_field: "image"}`` with every
             other field ``other``.
+        augment_ahead: With the ``device`` and ``chunked`` strategies, batches gathered and
+            augmented ahead of the training step in a background thread (on CUDA, on a side
+            stream): the next batch is ready when the step ends. 0 does that work in the
+            training loop's thread, between steps.
         store: Cache static outputs in a store (False: per-sample loading in workers).
         device: Device to place stores on (default: the Trainer's root device).
         progress: Show progress bars while caching.
@@ -129,6 +134,7 @@ class OptimizedDataModule(L.LightningDataModule):
         eval_augment: BatchTransform | None = None,
         field_kinds: dict[str, Literal["image", "mask", "other"]] | None = None,
         augment_field: str | None = None,
+        augment_ahead: int = 1,
         store: bool = True,
         device: str | None = None,
         progress: bool = True,
@@ -162,6 +168,8 @@ class OptimizedDataModule(L.LightningDataModule):
             for name, kind in field_kinds.items():
                 if kind not in _KINDS:
                     raise ValueError(f"field_kinds[{name!r}] must be one of {_KINDS}, got {kind!r}")
+        if isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int) or not 0 <= augment_ahead <= 4:
+            raise ValueError(f"augment_ahead must be an int in [0, 4], got {augment_ahead!r}")
         if augment_field is not None and field_kinds is not None:
             raise ValueError("give field_kinds or augment_field, not both "
                              "(augment_field=X is field_kinds={X: 'image'})")
@@ -183,6 +191,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.eval_augment = eval_augment
         self.field_kinds = dict(field_kinds) if field_kinds is not None else None
         self.augment_field = augment_field
+        self.augment_ahead = augment_ahead
         self.use_store = store
         self.device = device
         self.progress = progress
@@ -386,7 +395,13 @@ class OptimizedDataModule(L.LightningDataModule):
             order = ShardedOrder(n, self._batch_size(split), **kw)
         if source is not None and not isinstance(source, HostSource):
             store = self.stores[split]
-            return IndexLoader(source, order, store.spec, [i.name for i in store.infos])
+            augment = self.train_augment if train else self.eval_augment
+            # A model hook that runs before the transfer must see the batch before its augmentation.
+            early_hooks = any(self._model_hook(h) is not None for h in _BATCH_HOOKS[:2])
+            prepare = (None if augment is None or early_hooks else
+                       functools.partial(self._prepare, split=split, augment=augment))
+            return IndexLoader(source, order, store.spec, [i.name for i in store.infos], prepare=prepare,
+                               ahead=self.augment_ahead)
         seeding = WorkerSeeding(self.seed, rank)
         seeding.follow(order)  # workers seeded per (seed, rank, worker, epoch)
         loader_kw = dict(num_workers=plan.num_workers, pin_memory=plan.pin_memory,
@@ -489,7 +504,10 @@ class OptimizedDataModule(L.LightningDataModule):
             loader = self._loaders.get(split)
             if loader is not None:
                 loader.consumed(batch)  # resume counts batches used, not those fetched ahead
-            out = self.augment_batch(batch, augment, split) if augment is not None else batch.structure()
+            if augment is None or batch.prepared:
+                out = batch.structure()
+            else:
+                out = self.augment_batch(batch, augment, split)
         elif augment is not None:
             raise RuntimeError(
                 f"{type(self).__name__}: a {split} batch of type {type(batch).__name__} reached "
@@ -502,6 +520,11 @@ class OptimizedDataModule(L.LightningDataModule):
             out = batch
         hook = self._model_hook("on_after_batch_transfer")
         return hook(out, dataloader_idx) if hook is not None else out
+
+    def _prepare(self, batch: FastBatch, split: str, augment: BatchTransform) -> FastBatch:
+        """The loader's hook: augment a freshly gathered batch (ahead of the step, see ``augment_ahead``)."""
+        leaves = self._augmented_leaves(batch, augment, split)
+        return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)
 
     def augment_batch(self, batch: FastBatch, augment: BatchTransform | None = None, split: str = "train") -> Any:
         """Augment a batch from this module's loaders; returns it in the sample's structure.
@@ -521,6 +544,9 @@ class OptimizedDataModule(L.LightningDataModule):
             augment = self.train_augment if split == "train" else self.eval_augment
         if augment is None:
             return batch.structure()
+        return unflatten(batch.spec, self._augmented_leaves(batch, augment, split))
+
+    def _augmented_leaves(self, batch: FastBatch, augment: BatchTransform, split: str) -> list[Any]:
         # TEMP bridge until the keyed augmentation API lands (branch augment).
         from lightning_fastdata.seeding import derive_seed
 
@@ -531,7 +557,7 @@ class OptimizedDataModule(L.LightningDataModule):
         g = torch.Generator(device=leaves[k].device)
         g.manual_seed(derive_seed(self.seed, stream=f"augment-{split}", epoch=batch.epoch, step=batch.index))
         leaves[k] = augment(leaves[k], g)
-        return unflatten(batch.spec, leaves)
+        return leaves
 
     # ------------------------------------------------------------------ field kinds
 

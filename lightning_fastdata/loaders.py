@@ -20,7 +20,10 @@ and, through ``state_dict``/``load_state_dict``, checkpoints their position.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -181,14 +184,15 @@ class FastBatch:
         index: The batch's index within the epoch.
     """
 
-    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index")
+    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index", "prepared")
 
     def __init__(self, leaves: list[Any], spec: dict, names: list[str], indices: torch.Tensor, epoch: int,
-                 index: int) -> None:
+                 index: int, prepared: bool = False) -> None:
         if len(leaves) != len(names):
             raise ValueError(f"{len(leaves)} leaves for {len(names)} field names {names}")
         self.leaves, self.spec, self.names = leaves, spec, names
         self.indices, self.epoch, self.index = indices, epoch, index
+        self.prepared = prepared  # already augmented by the loader (see IndexLoader's prepare)
 
     @classmethod
     def of(cls, structure: Any, indices: torch.Tensor, epoch: int = 0, index: int = 0) -> FastBatch:
@@ -209,7 +213,7 @@ class FastBatch:
         leaves = [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
                   for v in self.leaves]
         return FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
-                         self.epoch, self.index)
+                         self.epoch, self.index, self.prepared)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.structure())
@@ -219,7 +223,7 @@ class FastBatch:
 
     def __repr__(self) -> str:
         return (f"FastBatch(epoch={self.epoch}, index={self.index}, samples={len(self)}, "
-                f"fields={self.names})")
+                f"fields={self.names}, prepared={self.prepared})")
 
 
 def flatten_batch(batch: Any) -> tuple[dict, list[str], list[Any]]:
@@ -317,35 +321,126 @@ class _Loader:
 class IndexLoader(_Loader):
     """Batches gathered by index from a source (the ``device`` and ``chunked`` strategies).
 
+    With ``ahead > 0`` a background thread gathers (and ``prepare``s, e.g. augments) the
+    next batches while the training step runs: on the CPU torch's kernels release the GIL,
+    so the two overlap on two cores; on CUDA the thread enqueues its work on a side stream
+    and the consumer's stream waits for it on an event, never the host. At most ``ahead``
+    batches are ready and waiting. The resume position still counts consumed batches only.
+
     Args:
         source: Where the fields live (see :mod:`~lightning_fastdata.placement`).
         order: The sample order (a :class:`BlockOrder` for a chunked source in block mode).
         spec: The sample structure.
         names: Field names, one per field of the source.
+        prepare: Applied to every batch before it is handed out (in the background thread
+            when ``ahead > 0``); must return a :class:`FastBatch`.
+        ahead: Batches prepared ahead in a background thread; 0 prepares each batch when it
+            is asked for, in the caller's thread.
     """
 
-    def __init__(self, source: Source, order: ShardedOrder, spec: dict, names: list[str]) -> None:
+    def __init__(self, source: Source, order: ShardedOrder, spec: dict, names: list[str],
+                 prepare: Callable[[FastBatch], FastBatch] | None = None, ahead: int = 0) -> None:
         super().__init__(order)
         if source.n != order.n:
             raise ValueError(f"the source has {source.n} rows, the order expects {order.n}")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead must be an int >= 0, got {ahead!r}")
         self.source, self.spec, self.names = source, spec, names
+        self.prepare, self.ahead = prepare, ahead
         self.device = source.device
 
     def indices(self, epoch: int | None = None) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in the order batches are cut."""
         return self.order.indices(epoch)
 
+    def _produce(self, start: int) -> Iterator[FastBatch]:
+        epoch, prepare = self.order.epoch, self.prepare
+        batches = self.source.batches(self.order.indices(), self.order.batch_size, start)
+        try:
+            for b, (leaves, sel) in enumerate(batches, start):
+                batch = FastBatch(leaves, self.spec, self.names, sel, epoch, b)
+                yield prepare(batch) if prepare is not None else batch
+        finally:
+            batches.close()  # the source's finally runs here, in the producing thread
+
     def __iter__(self) -> Iterator[FastBatch]:
         start = self._start()
-        epoch = self.order.epoch
-        for b, (leaves, sel) in enumerate(self.source.batches(self.order.indices(), self.order.batch_size, start),
-                                          start):
-            self._yielded = b + 1
-            yield FastBatch(leaves, self.spec, self.names, sel, epoch, b)
+        produced = self._produce(start)
+        if self.ahead:
+            produced = _run_ahead(produced, self.ahead, self.device)
+        try:
+            for batch in produced:
+                self._yielded = batch.index + 1
+                yield batch
+        finally:
+            produced.close()
 
     def close(self) -> None:
         """Stop the source's background work (restarted when iterated again)."""
         self.source.close()
+
+
+_DONE = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -> Iterator[FastBatch]:
+    """Iterate ``batches`` in a background thread, at most ``depth`` ready batches ahead of the consumer."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                for batch in batches:
+                    event = None
+                    if cuda:
+                        event = torch.cuda.Event()
+                        event.record(side)
+                    if not put((batch, event)):
+                        return
+            put((_DONE, None))
+        except BaseException as e:  # handed to the consumer, raised there
+            put((_Failure(e), None))
+        finally:
+            batches.close()
+
+    thread = threading.Thread(target=work, name="lightning_fastdata-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, event = ready.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            if event is not None:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(event)  # the device waits, not the host
+                for t in (*item.leaves, item.indices):
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        # Made on the side stream, used on this one: the allocator must not
+                        # reuse the memory before this stream's work on it is done.
+                        t.record_stream(current)
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 class _HostBatches(Dataset):
