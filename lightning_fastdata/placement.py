@@ -25,6 +25,7 @@ propagates unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import mmap
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata._util import fmt_bytes
+from lightning_fastdata._util import cpu_count, fmt_bytes
 from lightning_fastdata.plan import LEVELS, Plan, fall_back
 from lightning_fastdata.shared import Segment, share_stores, worker_headroom
 from lightning_fastdata.store import Store
@@ -264,11 +265,27 @@ class HostSource(Source):
         idx = indices.cpu()
         return [torch.index_select(t, 0, idx) for t in self.tensors]
 
-    def gather_into(self, indices: torch.Tensor, out: list[torch.Tensor]) -> None:
-        """Rows ``indices`` of every field into the first rows of ``out`` (one buffer per field)."""
+    def gather_into(self, indices: torch.Tensor, out: list[torch.Tensor], pool: ThreadPoolExecutor | None = None,
+                    parts: int = 1) -> None:
+        """Rows ``indices`` of every field into the first rows of ``out`` (one buffer per field).
+
+        With a ``pool``, the rows are split into ``parts`` ranges gathered in parallel:
+        ``index_select`` releases the GIL, and one thread's row copies do not reach the
+        memory bandwidth that a host-to-device copy can take.
+        """
         k = indices.numel()
+        if pool is None or parts <= 1 or k < 2 * parts:
+            for t, o in zip(self.tensors, out, strict=True):
+                torch.index_select(t, 0, indices, out=o[:k])
+            return
+        step = -(-k // parts)
+        jobs = [pool.submit(self._gather_rows, indices, out, a, min(a + step, k)) for a in range(0, k, step)]
+        for job in jobs:
+            job.result()
+
+    def _gather_rows(self, indices: torch.Tensor, out: list[torch.Tensor], a: int, b: int) -> None:
         for t, o in zip(self.tensors, out, strict=True):
-            torch.index_select(t, 0, indices, out=o[:k])
+            torch.index_select(t, 0, indices[a:b], out=o[a:b])
 
 
 def rows_per_chunk(row_nbytes: int, chunk_bytes: int, batch_size: int, max_rows: int) -> int:
@@ -343,15 +360,21 @@ class ChunkedSource(Source):
     Args:
         host: The host-resident fields.
         buffers: The two chunk buffers (see :class:`ChunkBuffers`).
+        fill_threads: Threads gathering one chunk's rows (default: the CPUs, at most 4).
     """
 
-    def __init__(self, host: HostSource, buffers: ChunkBuffers) -> None:
+    def __init__(self, host: HostSource, buffers: ChunkBuffers, fill_threads: int | None = None) -> None:
         expected = [(tuple(a.shape[1:]), torch_dtype(a.dtype)) for a in host.arrays]
         if buffers.infos != expected:
             raise ValueError(f"buffers with fields {buffers.infos} do not fit the source's fields {expected}")
-        self.host, self.buffers = host, buffers
+        if fill_threads is None:
+            fill_threads = min(4, cpu_count())
+        if isinstance(fill_threads, bool) or not isinstance(fill_threads, int) or fill_threads < 1:
+            raise ValueError(f"fill_threads must be an int >= 1, got {fill_threads!r}")
+        self.host, self.buffers, self.fill_threads = host, buffers, fill_threads
         self.device, self.n, self.rows = buffers.device, host.n, buffers.rows
         self._executor: ThreadPoolExecutor | None = None
+        self._fill: ThreadPoolExecutor | None = None
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             self._stream = torch.cuda.Stream(self.device)
@@ -372,17 +395,20 @@ class ChunkedSource(Source):
         k = idx.numel()
         dst = self.buffers.slots[slot]
         staging = self.buffers.staging
+        if self.fill_threads > 1 and self._fill is None:
+            self._fill = ThreadPoolExecutor(max_workers=self.fill_threads, thread_name_prefix="lightning_fastdata-fill")
+        gather = functools.partial(self.host.gather_into, pool=self._fill, parts=self.fill_threads)
         if staging is None:
-            self.host.gather_into(idx, dst)
+            gather(idx, dst)
             return
         if not self._cuda:
-            self.host.gather_into(idx, staging)
+            gather(idx, staging)
             for st, d in zip(staging, dst, strict=True):
                 d[:k].copy_(st[:k])
             return
         if self._staging_free is not None:
             self._staging_free.synchronize()  # the previous copy out of the staging buffer is done
-        self.host.gather_into(idx, staging)
+        gather(idx, staging)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             # Do not overwrite the slot before the consumer's work on its previous chunk ran.
             self._stream.wait_event(self._freed[slot])
@@ -440,10 +466,11 @@ class ChunkedSource(Source):
                     event.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        """Stop the loader thread (it restarts when iterated again)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Stop the loader threads (they restart when iterated again)."""
+        for pool in (self._executor, self._fill):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._executor = self._fill = None
 
 
 # --------------------------------------------------------------------------- placement

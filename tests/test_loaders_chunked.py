@@ -206,3 +206,18 @@ def test_trainer_resume_mid_chunk_is_exact(tmp_path):
     assert len(full.seen) == 16 and len(resumed.seen) == 13
     for (x0, y0), (x1, y1) in zip(full.seen[3:], resumed.seen, strict=True):
         assert torch.equal(y0, y1) and torch.equal(x0, x1)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunks_filled_by_several_threads_hold_the_same_rows(threads):
+    store = make_store(101)
+    buffers = ChunkBuffers.for_store(store, "cpu", chunk_bytes=4 * 5 * ROW, batch_size=5)
+    source = ChunkedSource(HostSource(list(store.fields)), buffers, fill_threads=threads)
+    order = ShardedOrder(101, 5, seed=8)
+    got = [b for b, _ in source.batches(order.indices(), 5)]
+    want = [b for b, _ in HostSource(list(store.fields)).batches(order.indices(), 5)]
+    assert len(got) == len(want) == 21
+    assert all(torch.equal(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    source.close()
+    with pytest.raises(ValueError, match="fill_threads must be an int >= 1, got 0"):
+        ChunkedSource(HostSource(list(store.fields)), buffers, fill_threads=0)
