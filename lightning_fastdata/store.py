@@ -574,32 +574,33 @@ def _estimate_nbytes(n: int, infos: Sequence[FieldInfo]) -> int:
     return sum(n * i.row_nbytes + _NPY_HEADER for i in infos) + (64 << 10)
 
 
-def _no_room(name: str, root: Path, need: int, n: int, infos: Sequence[FieldInfo]) -> StoreError:
-    free = shutil.disk_usage(root).free
+def _no_room(name: str, root: Path, free: int, n: int, infos: Sequence[FieldInfo]) -> StoreError:
     row = sum(i.row_nbytes for i in infos)
     return StoreError(
-        f"caching '{name}' needs {fmt_bytes(need)} ({n} samples x {fmt_bytes(row)}) in cache_dir {root}, which has "
-        f"{fmt_bytes(free)} free; set cache_dir to a filesystem with more room (or free space there)"
+        f"caching '{name}' needs {fmt_bytes(_estimate_nbytes(n, infos))} ({n} samples x {fmt_bytes(row)}) in "
+        f"cache_dir {root}, which has {fmt_bytes(free)} free; set cache_dir to a filesystem with more room "
+        "(or free space there)"
     )
 
 
 def _check_space(name: str, root: Path, n: int, infos: Sequence[FieldInfo]) -> None:
-    need = _estimate_nbytes(n, infos)
-    if shutil.disk_usage(root).free < need:
-        raise _no_room(name, root, need, n, infos)
+    free = shutil.disk_usage(root).free
+    if free < _estimate_nbytes(n, infos):
+        raise _no_room(name, root, free, n, infos)
 
 
 def _reserve(files: Sequence[Path], name: str, root: Path, n: int, infos: Sequence[FieldInfo]) -> None:
     """Allocate every file's blocks now, so a full disk is ENOSPC here and never a SIGBUS while filling."""
     if not hasattr(os, "posix_fallocate"):
         return
+    free = shutil.disk_usage(root).free  # before this build's own allocations, for the message
     for f in files:
         fd = os.open(f, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_room(name, root, _estimate_nbytes(n, infos), n, infos) from e
+                raise _no_room(name, root, free, n, infos) from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
             return  # the filesystem cannot reserve space: fill as before
@@ -798,6 +799,13 @@ def _build_lock(path: Path, what: str, timeout_s: float | None) -> Iterator[None
         raise StoreError(str(e)) from None
     try:
         yield
+    except BaseException:
+        # Nothing of a failed build stays behind, its lock file included. A process that
+        # opened the old lock file meanwhile may build concurrently with one that creates
+        # a new one: harmless, publishing is one atomic rename.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     finally:
         lock.__exit__(None, None, None)
 
