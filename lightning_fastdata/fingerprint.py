@@ -59,6 +59,7 @@ COMPONENTS = ("format", "cache_key", "code", "config", "files", "source", "probe
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 _MAX_DEPTH = 6
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _MAX_ARRAY_HASH = 256 << 20  # hash arrays up to this size whole; larger ones by 64 evenly spread slices
 _DISPLAY = 120  # characters of a config value kept for the "what changed" message
 _SKIP_BASES = ("builtins", "typing", "abc", "collections.abc")
@@ -193,8 +194,8 @@ class Canon:
             state = _state(obj)
             if state is not None:
                 return f"{head}({self.value(state, True, depth + 1)})"
-            text = repr(obj)
-            return f"{head}({text})" if " at 0x" not in text else f"<{head}>"
+            text = repr(obj)  # a repr with an address would differ between processes (and ranks)
+            return f"<{head}>" if _ADDRESS.search(text) else f"{head}({text})"
         finally:
             self._active.discard(key)
 
@@ -620,7 +621,7 @@ def _when(ns: Any) -> str:
 
 def sanitise_namespace(namespace: str) -> str:
     """A safe directory name for ``namespace`` (a data module's ``module.QualName``)."""
-    text = re.sub(r"[^A-Za-z0-9._-]+", "_", namespace).strip("._")
+    text = re.sub(r"[^A-Za-z0-9._-]+", "_", namespace).lstrip(".")  # never a hidden name
     if len(text) > 160:
         text = f"{text[:140]}-{_sha(namespace)[:16]}"
     return text

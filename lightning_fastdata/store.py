@@ -14,9 +14,10 @@ Beside each cache, ``.lock-<split>-<fingerprint[:16]>`` is the build lock: one p
 builds while the others wait and reuse; its ``.owner`` file names the holder and is
 touched every few seconds, so a waiter can tell a dead holder from a slow one. Inside a
 cache, ``.readers`` is locked shared by every process that has the cache open, and
-``last_used`` is touched on every open; ``prune_caches`` removes only caches whose
-``.readers`` it can lock exclusively and whose build lock is free. A build never
-deletes a cache with another fingerprint.
+``last_used`` is touched on every open; :func:`lightning_fastdata.caches.prune_caches`
+removes only caches whose ``.readers`` it can lock exclusively and whose build lock is
+free (:mod:`lightning_fastdata.locks`). A build never deletes a cache with another
+fingerprint.
 """
 
 from __future__ import annotations
