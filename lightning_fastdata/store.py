@@ -701,6 +701,7 @@ def build_store(
     verify: bool = True,
     warn: Callable[[str], None] | None = None,
     lock_timeout_s: float | None = None,
+    field_kinds: Mapping[str, str] | None = None,
 ) -> Store:
     """Materialise ``transform(dataset[i])`` for every ``i`` into a cached store, or reuse it.
 
@@ -739,6 +740,9 @@ def build_store(
         warn: Called with each warning's text (default: ``warnings.warn``).
         lock_timeout_s: Longest wait for another process's build, ``None`` for as long
             as it shows signs of life.
+        field_kinds: Field name -> "image" | "mask" | "other", over the kinds found from
+            ``tv_tensors`` types (see :func:`field_kinds`); recorded in the manifest and
+            part of the fingerprint.
 
     Raises:
         StoreError: for an empty dataset, samples that cannot form one store, a full
@@ -761,6 +765,9 @@ def build_store(
     root = _dir_for(base, namespace)
     sweep_temporaries(root)
     probe = _probe(dataset, transform, n, probes)
+    if field_kinds:
+        probe.infos = _override_kinds(probe.infos, field_kinds)
+        config = {**(config or {}), "field_kinds": dict(field_kinds)}
     listed = F.discover_files(dataset) if files is None else [os.fspath(f) for f in files]
     fp = _fingerprint(dataset, transform, n, probe, cache_key, config, listed)
     digest = fp.digest
@@ -788,6 +795,17 @@ def build_store(
         _build(dataset, transform, root, final, name, n, namespace, fp, probe, num_workers, progress,
                parallel_threshold_s)
     return open_store(final, verify=False, expect_fingerprint=digest)
+
+
+def _override_kinds(infos: list[FieldInfo], kinds: Mapping[str, str]) -> list[FieldInfo]:
+    names = [i.name for i in infos]
+    for name, kind in kinds.items():
+        if name not in names:
+            raise StoreError(f"field_kinds names a field {name!r} that the samples do not have; their fields are "
+                             f"{names}")
+        if kind not in ("image", "mask", "other"):
+            raise StoreError(f"field_kinds[{name!r}] is {kind!r}; a kind is 'image', 'mask' or 'other'")
+    return [replace(i, kind=kinds.get(i.name, i.kind)) for i in infos]
 
 
 @contextlib.contextmanager

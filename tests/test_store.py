@@ -356,3 +356,8 @@ def test_field_kinds_from_tv_tensors_and_the_default_rule(cache_dir):
     plain = build_store(CountingDataset(4), lambda s: s, cache_dir, name="test", progress=False)
     assert plain.kinds == {"0": "image", "1": "other"}  # no tv_tensors: first leaf image, the rest other
     assert Store.from_arrays({"x": np.zeros((3, 2)), "y": np.zeros(3)}).kinds == {"x": "image", "y": "other"}
+    over = build_store(CountingDataset(4), lambda s: s, cache_dir, name="predict", progress=False,
+                       field_kinds={"1": "mask"})
+    assert over.kinds == {"0": "image", "1": "mask"} and over.fingerprint != plain.fingerprint
+    with pytest.raises(StoreError, match=r"field_kinds names a field 'label' .* their fields are \['0', '1'\]"):
+        build_store(CountingDataset(4), lambda s: s, cache_dir, progress=False, field_kinds={"label": "mask"})
