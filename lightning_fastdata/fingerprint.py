@@ -172,6 +172,10 @@ class Canon:
         array = _as_array(obj)
         if array is not None:
             return f"{name}[{array.dtype.str}{list(array.shape)}]:{_array_digest(array)}"
+        if _is_dataset(obj):  # as a source: never its lazily opened handles or counters
+            state = _state(obj) or {}
+            attrs = {k: state[k] for k in SOURCE_ATTRIBUTES if k in state}
+            return f"dataset:{name}[{_safe_len(obj)}]({self.value(attrs, True, depth + 1)})"
         return self._object(obj, name, depth)
 
     def _sequence(self, obj: Any, mutable: bool, depth: int) -> str:
@@ -440,6 +444,13 @@ def discover_files(source: Any, depth: int = 0) -> list[str]:
             if _is_dataset(value) and value is not source:
                 paths.update((p, None) for p in discover_files(value, depth + 1))
     return list(paths)
+
+
+def _safe_len(obj: Any) -> int | str:
+    try:
+        return len(obj)
+    except Exception:  # noqa: BLE001 - any failure means "no length" here
+        return "?"
 
 
 def _is_dataset(obj: Any) -> bool:

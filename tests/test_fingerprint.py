@@ -374,3 +374,22 @@ def test_random_static_transform_warns_once_naming_the_field(cache_dir):
     assert random[0].startswith("lightning_fastdata: field '0' of sample 0 differs between two reads of the same "
                                 "index: the source or static_transform is random")
     assert "train_augment" in random[0] and "store=False" in random[0]
+
+
+def test_a_dataset_passed_as_an_init_argument_enters_by_class_length_and_construction_attributes(cache_dir):
+    class Given(OptimizedDataModule):
+        def __init__(self, dataset, **kwargs):
+            super().__init__(progress=False, device="cpu", **kwargs)
+            self.dataset = dataset
+
+        def source(self, split):
+            return self.dataset if split == "train" else None
+
+    ds = Indexed(30)
+    dm = Given(ds, cache_dir=str(cache_dir))
+    dm.prepare_data()  # ds.calls grows: the fingerprint must not move with it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.setup("fit")
+    assert len(list(dm.stores["train"].path.parent.glob("train-*"))) == 1
+    assert "Indexed[30]" in dm.stores["train"].meta["fingerprint_components"]["config"]["dataset"]
