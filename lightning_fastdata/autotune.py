@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_fastdata import _lightning as door
 from lightning_fastdata import distributed as D
 from lightning_fastdata._util import batch_len
 from lightning_fastdata.plan import Plan, Resources, _loader_params
@@ -91,11 +92,8 @@ def shutdown_workers(loader: Any) -> None:
     if callable(close):
         close()
         return
-    it = getattr(loader, "_iterator", None)
-    stop = getattr(it, "_shutdown_workers", None)
-    if stop is not None:
-        stop()
-        loader._iterator = None
+    if isinstance(loader, torch.utils.data.DataLoader):
+        door.shutdown_dataloader_workers(loader)
 
 
 def _len_or(loader: Any, default: int) -> int:
