@@ -43,6 +43,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning_utilities.core import rank_zero as rank_zero_module
 
+from lightning_fastdata import _lightning as door
 from lightning_fastdata._util import atomic_write_text, fmt_bytes
 from lightning_fastdata.autotune import shutdown_workers, time_loader
 from lightning_fastdata.caches import CacheInfo, list_caches, prune_caches
@@ -120,7 +121,7 @@ class FastDataCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except _CONFIG_ERRORS as e:
-            _fail(self._parser(self.subcommand), e)
+            _fail(door.cli_parser(self, self.subcommand), e)
 
 
 class _ToolCLI(LightningCLI):
