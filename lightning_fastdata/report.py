@@ -212,8 +212,9 @@ def loader_info(loader: Any) -> dict[str, Any]:
         loader = loader[0] if loader else None
     if loader is None:
         return {}
-    if hasattr(loader, "fields") and hasattr(loader, "order"):
-        return {"kind": "device"}
+    kind = getattr(getattr(loader, "source", None), "kind", None)
+    if kind in ("device", "chunked"):  # the index loader over a device or chunked source
+        return {"kind": kind}
     dl = getattr(loader, "dataloader", loader)
     if not hasattr(dl, "num_workers"):
         return {"kind": type(loader).__name__}
