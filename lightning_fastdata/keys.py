@@ -121,6 +121,19 @@ def _counters(k: int, device: torch.device) -> torch.Tensor:
     return out
 
 
+_COUNTERS_NP: dict[int, np.ndarray] = {}
+
+
+def _counters_np(k: int) -> np.ndarray:
+    """``(j + 1) * GOLDEN`` for j < k as uint64 (cached for small k)."""
+    out = _COUNTERS_NP.get(k)
+    if out is None:
+        out = np.arange(1, k + 1, dtype=np.uint64) * np.uint64(GOLDEN)
+        if k <= 4096:
+            _COUNTERS_NP[k] = out
+    return out
+
+
 def hash_bits(scrambled: torch.Tensor, h: int, k: int | None) -> torch.Tensor:
     """``mix((scrambled ^ h) + (j + 1) * G)``: (N,) for ``k=None`` (j = 0), else (N, k); int64."""
     hs = _signed(h)
@@ -129,7 +142,7 @@ def hash_bits(scrambled: torch.Tensor, h: int, k: int | None) -> torch.Tensor:
         if k is None:
             z += np.uint64(GOLDEN)
         else:
-            z = z[:, None] + _counters(int(k), scrambled.device).numpy().view(np.uint64)
+            z = z[:, None] + _counters_np(int(k))
         return torch.from_numpy(mix64_np_(z).view(np.int64))
     state = scrambled.bitwise_xor(hs)
     if k is None:
