@@ -10,8 +10,8 @@ random flip + crop(padding 4):
 - ``workers``: :class:`~lightning_fastdata.loaders.WorkerLoader` reading whole batches
   from the store (``num_workers`` 0, 1, 2, best reported), then the batched augmentation;
 - ``device``: :class:`~lightning_fastdata.loaders.DeviceLoader` gathering batches from
-  the placed store, then ``Compose([RandomCrop, RandomHorizontalFlip])`` with a generator
-  seeded per batch exactly as ``OptimizedDataModule.augment_batch`` seeds it;
+  the placed store, then ``Compose([RandomCrop, RandomHorizontalFlip])`` with per-sample
+  keys (``SampleKeys``) as ``OptimizedDataModule`` draws them;
 - ``raw gather``: the ``DeviceLoader`` alone, in GB/s and as a fraction of the machine's
   memcpy bandwidth (a torch copy into a preallocated buffer), measured two ways:
   store-sized (DRAM to DRAM, the usual "memcpy bandwidth") and batch-sized (contiguous
@@ -49,8 +49,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from lightning_fastdata import augment as A
+from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, WorkerLoader, place_fields
-from lightning_fastdata.seeding import derive_seed
 from lightning_fastdata.store import Store
 
 HERE = Path(__file__).resolve().parent
@@ -95,11 +95,11 @@ def train_augment(side: int) -> A.Compose:
 
 
 def augment_batch(batch: Any, augment: A.BatchTransform, epoch: int, step: int) -> Any:
-    """As ``OptimizedDataModule.augment_batch``: a generator per (seed, rank, epoch, step)."""
+    """As ``OptimizedDataModule`` augments: keys of (seed, epoch, sample index); the batch's
+    rows stand in for its global indices (same cost: one hash per sample)."""
     x, y = batch
-    g = torch.Generator(device=x.device)
-    g.manual_seed(derive_seed(SEED, stream="augment", rank=0, epoch=epoch, step=step))
-    return augment(x, g), y
+    n = x.shape[0]
+    return augment(x, SampleKeys(SEED, epoch, torch.arange(step * n, (step + 1) * n, device=x.device))), y
 
 
 # --------------------------------------------------------------------------- timing
