@@ -361,12 +361,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def to_input_dtype(y: torch.Tensor, like: torch.Tensor, rounding: bool = True) -> torch.Tensor:
-    """``y`` (float) back to ``like``'s dtype: integers rounded and clamped to [0, max]."""
+    """``y`` (float) back to ``like``'s dtype: integers rounded and clamped to the dtype's range."""
     if like.is_floating_point():
         return y.to(like.dtype)
     if rounding:
         y = y.round()
-    return y.clamp_(0, float(INT_MAX[like.dtype])).to(like.dtype)
+    top = INT_MAX[like.dtype]
+    return y.clamp_(-top - 1 if like.dtype.is_signed else 0, float(top)).to(like.dtype)
 
 
 def channel_dim(batch: Batch) -> int:

@@ -218,7 +218,7 @@ class ColorJitter(BatchTransform):
                     out.addcmul_(mean, torch.where(on & (op == 1), rest, zero).view(view))
             # Clamp (and truncate, for integer images) only the samples adjusted at this step.
             lo = torch.where(on, zero, float("-inf")).view(view)
-            hi = torch.where(on, bound, float("inf")).to(dt).view(view)
+            hi = torch.where(on, torch.full_like(rest, bound), float("inf")).view(view)
             y = torch.clamp(out, lo, hi)
             if not fp:
                 y = y.trunc_()

@@ -9,11 +9,13 @@ Every random number an augmentation draws is a pure function of
 - element ``j`` of a draw is ``mix((I ^ H) + (j + 1) * G)``: a splitmix64 sequence started
   at ``I ^ H``.
 
-``mix`` is the splitmix64 finaliser and ``G`` its golden-ratio increment; all of it is
-int64 tensor arithmetic (multiplication and addition wrap modulo 2**64, logical right
-shifts are arithmetic shifts with the sign bits masked off), so it runs on any device
-with no host round trip, and a sample gets the same numbers whatever batch it sits in,
-whatever the batch size, world size, strategy or resume point.
+``mix`` is the splitmix64 finaliser and ``G`` its golden-ratio increment. On accelerators
+it is int64 tensor arithmetic (multiplication and addition wrap modulo 2**64, logical
+right shifts are arithmetic shifts with the sign bits masked off), so it runs on the
+device with no host round trip; on the CPU the same bits come from numpy's uint64 ops
+(fewer, faster dispatches). A sample gets the same numbers whatever batch it sits in,
+whatever the batch size, world size, strategy or resume point. ``H`` folds
+``(seed, stream, epoch, len(path), *path, slot)`` in that order.
 
 Conversions: uniforms take the top 24 bits (float32) or 53 bits (float64); normals use
 Box-Muller on the two 32-bit halves of one value, in float64 (tails to 6.6 sigma);

@@ -232,3 +232,18 @@ def test_affine_3d_parameters():
         A.RandomAffine(10, translate=(0.1, 0.1))(torch.zeros(2, 1, 4, 4, 4))
     with pytest.raises(ValueError, match="2-D images"):
         A.RandomResizedCrop(4)(torch.zeros(2, 1, 4, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint16])
+def test_resampling_keeps_the_range_of_wide_integer_images(dtype):
+    """int16 CT keeps its negative values; uint16 its values above 255."""
+    base = torch.arange(-1000, 1000, 2000 / 576, dtype=torch.float64)[:576].view(1, 1, 24, 24).round()
+    x = (base if dtype == torch.int16 else base + 1000 * 30).to(torch.int32).to(dtype).expand(2, 1, 24, 24)
+    zero = torch.zeros(2, dtype=torch.float64)
+    out = A.RandomAffine(0, interpolation="bilinear").apply(
+        x, angle=zero, tx=zero, ty=zero, scale=torch.ones(2, dtype=torch.float64), shear_x=zero, shear_y=zero)
+    assert out.dtype == dtype and torch.equal(out.to(torch.int32), x.to(torch.int32))
+    full = {"top": torch.zeros(2, dtype=torch.long), "left": torch.zeros(2, dtype=torch.long),
+            "height": torch.full((2,), 24), "width": torch.full((2,), 24)}
+    same = A.RandomResizedCrop(24).apply(x, **full)
+    assert torch.equal(same.to(torch.int32), x.to(torch.int32))
