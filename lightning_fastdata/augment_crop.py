@@ -163,10 +163,7 @@ class RandomCrop(BatchTransform):
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
         """``offset``: each sample's window corner in the padded input, int64 (N, spatial dims)."""
         size, _, padded = self._geometry(batch)
-        span = [p - s + 1 for p, s in zip(padded, size, strict=True)]
-        u = batch.keys.uniform(0, len(span), dtype=torch.float64)
-        offset = torch.floor(u * const(span, u.device, torch.float64)).long()
-        return {"offset": torch.minimum(offset, const(span, u.device, torch.int64) - 1)}
+        return {"offset": batch.keys.integers(0, [p - s + 1 for p, s in zip(padded, size, strict=True)])}
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None) -> Batch:
         """Cut the windows at ``offset``; ``flip`` (bool (N,)) also mirrors along the last axis

@@ -63,7 +63,7 @@ class RandomFlip(BatchTransform):
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
         """``flip``: bool (N, len(dims)), whether each sample is mirrored along each axis."""
         _check_axes(self.dims, batch, type(self).__name__)
-        return {"flip": batch.keys.uniform(0, len(self.dims)) < self.p}
+        return {"flip": batch.keys.bernoulli(0, self.p, len(self.dims))}
 
     def apply_batch(self, batch: Batch, flip: torch.Tensor) -> Batch:
         """Mirror each sample along the axes where ``flip`` is set."""

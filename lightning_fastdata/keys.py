@@ -136,16 +136,38 @@ def _counters_np(k: int) -> np.ndarray:
     return out
 
 
+def _hash_np(scrambled: torch.Tensor, h: int, k: int | None) -> np.ndarray:
+    """``hash_bits`` in numpy: a uint64 array (N,) or (N, k)."""
+    z = scrambled.numpy().view(np.uint64) ^ np.uint64(h & _MASK64)
+    if k is None:
+        z += np.uint64(GOLDEN)
+    else:
+        z = z[:, None] + _counters_np(int(k))
+    return mix64_np_(z)
+
+
+_HOST_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _host_constant(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """float64 constants on an accelerator, made once with fills (no blocking host copy)."""
+    key = (tuple(values), str(device))
+    out = _HOST_CONSTANTS.get(key)
+    if out is None and device.type == "cpu":
+        out = _HOST_CONSTANTS[key] = torch.tensor(values, dtype=torch.float64)
+    if out is None:
+        out = torch.empty(len(values), dtype=torch.float64, device=device)
+        for i, v in enumerate(values):
+            out[i].fill_(float(v))
+        _HOST_CONSTANTS[key] = out
+    return out
+
+
 def hash_bits(scrambled: torch.Tensor, h: int, k: int | None) -> torch.Tensor:
     """``mix((scrambled ^ h) + (j + 1) * G)``: (N,) for ``k=None`` (j = 0), else (N, k); int64."""
     hs = _signed(h)
     if _numpy_engine(scrambled.device):
-        z = scrambled.numpy().view(np.uint64) ^ np.uint64(h & _MASK64)
-        if k is None:
-            z += np.uint64(GOLDEN)
-        else:
-            z = z[:, None] + _counters_np(int(k))
-        return torch.from_numpy(mix64_np_(z).view(np.int64))
+        return torch.from_numpy(_hash_np(scrambled, h, k).view(np.int64))
     state = scrambled.bitwise_xor(hs)
     if k is None:
         return mix64_(state.add_(_GOLDEN_S))
@@ -224,14 +246,36 @@ class SampleKeys:
             scrambled = self._scrambled[0] = scramble(self.index)
         return scrambled
 
+    def _slot_key(self, slot: int) -> int:
+        return mix64((self._base ^ (int(slot) & _MASK64)) + GOLDEN)
+
     def bits(self, slot: int, k: int | None = None) -> torch.Tensor:
         """Raw 64-bit draws as int64: (N,) or (N, k) (element counter 0 .. k-1)."""
-        h = mix64((self._base ^ (int(slot) & _MASK64)) + GOLDEN)
-        return hash_bits(self._sample_state(), h, k)
+        return hash_bits(self._sample_state(), self._slot_key(slot), k)
 
     def uniform(self, slot: int, k: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Uniform draws in [0, 1): (N,) or (N, k), float32 (24 bits) or float64 (53 bits)."""
         return _to_uniform(self.bits(slot, k), dtype)
+
+    def _uniform64(self, slot: int, k: int | None) -> np.ndarray | torch.Tensor:
+        """float64 uniforms, as a numpy array on the numpy engine (callers finish there: a few
+        numpy ops cost less than torch dispatches on small per-sample draws)."""
+        state = self._sample_state()
+        if _numpy_engine(state.device):
+            z = _hash_np(state, self._slot_key(slot), k)
+            return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return _to_uniform(hash_bits(state, self._slot_key(slot), k), torch.float64)
+
+    def integers(self, slot: int, highs: Sequence[int]) -> torch.Tensor:
+        """Integers per sample and column: (N, len(highs)) int64, column j uniform in [0, highs[j])
+        (0 where ``highs[j] <= 0``)."""
+        highs = [max(int(h), 1) for h in highs]
+        u = self._uniform64(slot, len(highs))
+        if isinstance(u, np.ndarray):
+            top = np.asarray(highs, dtype=np.float64)
+            return torch.from_numpy(np.minimum(np.floor(u * top), top - 1).astype(np.int64))
+        top = _host_constant(highs, u.device)
+        return torch.minimum(torch.floor(u * top), top - 1).long()
 
     def normal(self, slot: int, shape: Sequence[int] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Standard normal draws, one per element: (N, *shape), computed in float64 (Box-Muller)."""
@@ -258,9 +302,12 @@ class SampleKeys:
         out = torch.floor(u * float(span)).long()
         return out.clamp_(min=0, max=max(int(span) - 1, 0)).add_(low)
 
-    def bernoulli(self, slot: int, p: float) -> torch.Tensor:
-        """Per-sample coins, True with probability ``p``: bool (N,)."""
-        return self.uniform(slot) < p
+    def bernoulli(self, slot: int, p: float, k: int | None = None) -> torch.Tensor:
+        """Coins, True with probability ``p`` (a 53-bit uniform below ``p``): bool (N,) or (N, k)."""
+        u = self._uniform64(slot, k)
+        if isinstance(u, np.ndarray):
+            return torch.from_numpy(u < float(p))
+        return u < float(p)
 
 
 def _halves(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,16 +66,23 @@ def test_conversions_equal_the_python_reference(engine):
     z = keys.normal(slot, (3,))
     r = keys.randint(slot, 2, 9)
     r_t = keys.randint(slot, 0, torch.tensor([1, 2, 3, 50, 7, 1000, 3, 2**33]))
+    highs = [3, 1, 2**40]
+    ints = keys.integers(slot, highs)
+    coins = keys.bernoulli(slot, 0.3, 3)
+    coin = keys.bernoulli(slot, 0.6)
     for n, idx in enumerate(INDICES):
         for j in range(3):
             v = ref_bits(seed, 0, epoch, (), slot, idx, j)
             assert u32[n, j].item() == (v >> 40) / 2**24
             assert u32.dtype == torch.float32
             assert u64[n, j].item() == (v >> 11) / 2**53
+            assert ints[n, j].item() == min(math.floor((v >> 11) / 2**53 * highs[j]), highs[j] - 1)
+            assert coins[n, j].item() == ((v >> 11) / 2**53 < 0.3)
             hi, lo = v >> 32, v & 0xFFFFFFFF
             ref = math.sqrt(-2.0 * math.log((hi + 1) / 2**32)) * math.cos(2.0 * math.pi * lo / 2**32)
             assert abs(z[n, j].item() - ref) <= 1e-6 * max(1.0, abs(ref))
         v0 = ref_bits(seed, 0, epoch, (), slot, idx, 0)
+        assert coin[n].item() == ((v0 >> 11) / 2**53 < 0.6)
         assert r[n].item() == 2 + math.floor((v0 >> 11) / 2**53 * 7)
         high = [1, 2, 3, 50, 7, 1000, 3, 2**33][n]
         assert r_t[n].item() == math.floor((v0 >> 11) / 2**53 * high)
@@ -88,7 +95,8 @@ def test_engines_agree_bit_for_bit(monkeypatch):
         monkeypatch.setattr(K, "USE_NUMPY_ON_CPU", use_numpy)
         k = SampleKeys(5, 3, keys.index).child(2)
         out[use_numpy] = (k.bits(1, 5), k.uniform(2, 4), k.uniform(3, dtype=torch.float64), k.normal(4, (2, 3)),
-                          k.randint(5, -3, torch.arange(1000) % 17 + 1), k.bernoulli(6, 0.3))
+                          k.randint(5, -3, torch.arange(1000) % 17 + 1), k.bernoulli(6, 0.3),
+                          k.bernoulli(7, 0.7, 3), k.integers(8, [5, 1, 2**33]))
     for a, b in zip(out[True], out[False], strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -183,6 +191,11 @@ def test_randint_is_uniform_and_respects_per_sample_bounds():
     coins = keys.bernoulli(3, 0.3)
     assert coins.dtype == torch.bool and abs(coins.sum().item() - 0.3 * n) < 5 * math.sqrt(n * 0.21)
     assert not keys.bernoulli(4, 0.0).any() and keys.bernoulli(4, 1.0).all()
+    cols = keys.integers(5, [4, 7, 0])
+    assert cols.shape == (n, 3) and cols.dtype == torch.int64 and not cols[:, 2].any()
+    for j, high in enumerate((4, 7)):
+        counts = torch.bincount(cols[:, j], minlength=high)
+        assert counts.numel() == high and all(abs(c - n / high) < 5 * math.sqrt(n / high) for c in counts.tolist())
 
 
 def test_for_batch_and_children():
