@@ -112,7 +112,7 @@ class Normalize(BatchTransform):
         self.dtype = dtype
 
     def apply_batch(self, batch: Batch) -> Batch:
-        """Normalise every image field."""
+        """Normalise every image field: one ``addcmul`` pass, the integer conversion included."""
         cdim, sd = channel_dim(batch), batch.spatial_dims
 
         def run(x: torch.Tensor) -> torch.Tensor:
@@ -123,13 +123,50 @@ class Normalize(BatchTransform):
             in_scale = 1.0 if x.is_floating_point() else 1.0 / INT_MAX[x.dtype]
             scale = [in_scale / s for s in self.std]
             shift = [-m / s for m, s in zip(self.mean, self.std, strict=True)]
-            view = (c,) + (1,) * sd
-            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-            torch.addcmul(const(shift, x.device, out_dtype).view(view), x.to(out_dtype),
-                          const(scale, x.device, out_dtype).view(view), out=out)
-            return keep_format(out, x)
+            return normalize(x, scale, shift, out_dtype, sd)
 
         return batch.map(image=run)
+
+
+_PLANES: dict[tuple, torch.Tensor] = {}
+
+
+def _planes(values: Sequence[float], numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Per-channel constants repeated over a whole plane: (C, numel), cached (CPU)."""
+    key = (tuple(values), numel, str(device), dtype)
+    out = _PLANES.get(key)
+    if out is None:
+        if len(_PLANES) > 32:
+            _PLANES.clear()
+        out = _PLANES[key] = const(values, device, dtype).view(-1, 1).expand(len(values), numel).contiguous()
+    return out
+
+
+def normalize(x: torch.Tensor, scale: Sequence[float], shift: Sequence[float], out_dtype: torch.dtype,
+              sd: int) -> torch.Tensor:
+    """``shift + x * scale`` per channel of ``x`` (N, *lead, C, *spatial), a new tensor of
+    ``out_dtype`` in ``x``'s memory format: one fused ``addcmul`` pass (integers are
+    converted inside it).
+
+    On the CPU the constants span whole planes: a per-channel constant broadcast along the
+    innermost loop takes ``addcmul`` off its vectorised path (3-5x slower). The formula,
+    hence every output bit, is the same either way.
+    """
+    out = torch.empty_like(x, dtype=out_dtype)  # same strides as x (channels_last stays)
+    xs, os_ = (samples_view(t, sd) for t in (x, out))
+    n, lead, c = xs.shape[:3]
+    xs, os_ = xs.reshape(n, lead, c, -1), os_.reshape(n, lead, c, -1)
+    if x.device.type == "cpu":
+        plane = xs.shape[-1]
+        sh, sc = _planes(shift, plane, x.device, out_dtype), _planes(scale, plane, x.device, out_dtype)
+    else:
+        sh = const(shift, x.device, out_dtype).view(c, 1)
+        sc = const(scale, x.device, out_dtype).view(c, 1)
+    if os_.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        torch.addcmul(sh, xs, sc, out=os_)  # a view of out: written in place
+    else:  # strides no view can flatten: compute contiguous, then copy
+        out.copy_(torch.addcmul(sh, xs, sc).view(x.shape))
+    return out
 
 
 def _gray(y: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import quiet_shared_hook_warnings
 from lightning_fastdata.augment import Batch, BatchTransform
+from lightning_fastdata.graphs import GraphedAugment
 from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import (
     BlockOrder,
@@ -59,6 +60,7 @@ _NOT_CACHED = frozenset({
     "batch_size", "eval_batch_size", "strategy", "vram_fraction", "shared_memory", "num_workers", "pin_memory",
     "prefetch_factor", "persistent_workers", "shuffle", "drop_last", "seed", "train_augment", "eval_augment",
     "device", "progress", "cache_dir", "cache_key", "augment_field", "store", "field_kinds", "augment_ahead",
+    "cuda_graphs",
 })
 
 
@@ -114,6 +116,10 @@ class OptimizedDataModule(L.LightningDataModule):
             augmented ahead of the training step in a background thread (on CUDA, on a side
             stream): the next batch is ready when the step ends. 0 does that work in the
             training loop's thread, between steps.
+        cuda_graphs: On CUDA, capture the augmentation of each fixed-shape batch in a CUDA
+            graph once and replay it (one launch instead of dozens; the same output, bit for
+            bit); batches of other shapes, ragged fields and ops from outside this package
+            run eagerly. No effect elsewhere.
         store: Cache static outputs in a store (False: per-sample loading in workers).
         device: Device to place stores on (default: the Trainer's root device).
         progress: Show progress bars while caching.
@@ -140,6 +146,7 @@ class OptimizedDataModule(L.LightningDataModule):
         field_kinds: dict[str, Literal["image", "mask", "other"]] | None = None,
         augment_field: str | None = None,
         augment_ahead: int = 1,
+        cuda_graphs: bool = True,
         store: bool = True,
         device: str | None = None,
         progress: bool = True,
@@ -175,6 +182,8 @@ class OptimizedDataModule(L.LightningDataModule):
                     raise ValueError(f"field_kinds[{name!r}] must be one of {_KINDS}, got {kind!r}")
         if isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int) or not 0 <= augment_ahead <= 4:
             raise ValueError(f"augment_ahead must be an int in [0, 4], got {augment_ahead!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         if augment_field is not None and field_kinds is not None:
             raise ValueError("give field_kinds or augment_field, not both "
                              "(augment_field=X is field_kinds={X: 'image'})")
@@ -197,6 +206,8 @@ class OptimizedDataModule(L.LightningDataModule):
         self.field_kinds = dict(field_kinds) if field_kinds is not None else None
         self.augment_field = augment_field
         self.augment_ahead = augment_ahead
+        self.cuda_graphs = cuda_graphs
+        self._graphed: dict[int, GraphedAugment] = {}
         self.use_store = store
         self.device = device
         self.progress = progress
@@ -411,6 +422,8 @@ class OptimizedDataModule(L.LightningDataModule):
                 loader.close()  # persistent workers must not outlive the stage
             if self.placement is not None:
                 self.placement.release(split)
+        for graphed in self._graphed.values():
+            graphed.clear()  # captured graphs hold device memory
 
     # ------------------------------------------------------------------ loaders
 
@@ -587,8 +600,18 @@ class OptimizedDataModule(L.LightningDataModule):
     def _augmented_leaves(self, batch: FastBatch, augment: BatchTransform, split: str) -> list[Any]:
         keys = SampleKeys(self.seed, batch.epoch, batch.indices, stream=SPLITS.index(split))
         fields = dict(zip(batch.names, batch.leaves, strict=True))
-        out = augment(Batch(fields, self.kinds(split, batch.names), keys))
+        out = self._runner(augment)(Batch(fields, self.kinds(split, batch.names), keys))
         return [out.fields[name] for name in batch.names]
+
+    def _runner(self, augment: BatchTransform) -> Any:
+        """``augment``, or with ``cuda_graphs`` its graph-replaying wrapper (one per transform; it runs
+        batches off CUDA eagerly)."""
+        if not self.cuda_graphs:
+            return augment
+        graphed = self._graphed.get(id(augment))
+        if graphed is None or graphed.augment is not augment:
+            graphed = self._graphed[id(augment)] = GraphedAugment(augment, warn=rank_zero_warn)
+        return graphed
 
     # ------------------------------------------------------------------ field kinds
 

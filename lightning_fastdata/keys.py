@@ -17,6 +17,11 @@ device with no host round trip; on the CPU the same bits come from numpy's uint6
 whatever the batch size, world size, strategy or resume point. ``H`` folds
 ``(seed, stream, epoch, len(path), *path, slot)`` in that order.
 
+The epoch may also be a 0-d integer tensor on the index's device (a CUDA graph's input:
+a captured graph replays with whatever epoch the tensor holds). Then the fold continues
+on the device from ``epoch`` on, with the same integer hashing, and every draw takes the
+torch path: the bits equal the host-folded ones exactly.
+
 Conversions: uniforms take the top 24 bits (float32) or 53 bits (float64); normals use
 Box-Muller on the two 32-bit halves of one value, in float64 (tails to 6.6 sigma);
 ``randint`` is ``floor(u * (high - low)) + low`` with a float64 ``u``.
@@ -163,15 +168,45 @@ def _host_constant(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return out
 
 
-def hash_bits(scrambled: torch.Tensor, h: int, k: int | None) -> torch.Tensor:
-    """``mix((scrambled ^ h) + (j + 1) * G)``: (N,) for ``k=None`` (j = 0), else (N, k); int64."""
-    hs = _signed(h)
-    if _numpy_engine(scrambled.device):
+def hash_bits(scrambled: torch.Tensor, h: int | torch.Tensor, k: int | None) -> torch.Tensor:
+    """``mix((scrambled ^ h) + (j + 1) * G)``: (N,) for ``k=None`` (j = 0), else (N, k); int64.
+
+    ``h`` is a Python integer, or a 0-d int64 tensor on ``scrambled``'s device (always the
+    torch path then)."""
+    if isinstance(h, torch.Tensor):
+        state = scrambled.bitwise_xor(h)
+    elif _numpy_engine(scrambled.device):
         return torch.from_numpy(_hash_np(scrambled, h, k).view(np.int64))
-    state = scrambled.bitwise_xor(hs)
+    else:
+        state = scrambled.bitwise_xor(_signed(h))
     if k is None:
         return mix64_(state.add_(_GOLDEN_S))
     return mix64_(state.view(-1, 1) + _counters(int(k), state.device))
+
+
+def fold_tensor(h: int | torch.Tensor, *parts: int | torch.Tensor) -> torch.Tensor:
+    """``fold`` continued on a device: from the 64-bit state ``h`` (a Python integer or a 0-d
+    int64 tensor), fold ``parts`` (integers or 0-d integer tensors) in order. The result is
+    a 0-d int64 tensor with the bits ``fold`` gives (as a signed int64)."""
+    device = next((p.device for p in (h, *parts) if isinstance(p, torch.Tensor)), torch.device("cpu"))
+    z = h.to(torch.int64) if isinstance(h, torch.Tensor) else torch.full((), _signed(h), dtype=torch.int64,
+                                                                           device=device)
+    for p in parts:
+        z = z.bitwise_xor(p.to(torch.int64) if isinstance(p, torch.Tensor) else _signed(p))
+        z = mix64_(z.add_(_GOLDEN_S))
+    return z.reshape(())
+
+
+def _check_epoch(epoch: int | torch.Tensor, index: torch.Tensor) -> None:
+    if isinstance(epoch, torch.Tensor):
+        if epoch.numel() != 1 or epoch.is_floating_point() or epoch.is_complex() or epoch.dtype == torch.bool:
+            raise TypeError(f"SampleKeys epoch as a tensor must hold one integer, got a {epoch.dtype} tensor of "
+                            f"shape {tuple(epoch.shape)}")
+        if epoch.device != index.device:
+            raise ValueError(f"SampleKeys epoch tensor is on {epoch.device}, the index on {index.device}; "
+                             "put both on the batch's device")
+    elif isinstance(epoch, bool) or not isinstance(epoch, int):
+        raise TypeError(f"SampleKeys epoch must be an int or a 0-d integer tensor, got {epoch!r}")
 
 
 class SampleKeys:
@@ -179,29 +214,45 @@ class SampleKeys:
 
     Args:
         seed: The run's seed.
-        epoch: The epoch the batch belongs to.
+        epoch: The epoch the batch belongs to: an int, or a 0-d integer tensor on the
+            index's device (folded on the device: what a CUDA graph takes as an input).
         index: Global sample indices, one per row of the batch (an integer tensor on the
             batch's device).
         stream: Separates independent uses of one seed (e.g. training vs evaluation).
         path: Position of the op inside nested ``Compose``/``RandomApply`` (set by them).
     """
 
-    def __init__(self, seed: int, epoch: int, index: torch.Tensor, stream: int = 0,
+    def __init__(self, seed: int, epoch: int | torch.Tensor, index: torch.Tensor, stream: int = 0,
                  path: tuple[int, ...] = ()) -> None:
         if not isinstance(index, torch.Tensor) or index.ndim != 1 or index.is_floating_point() \
                 or index.is_complex() or index.dtype == torch.bool:
             what = f"{index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, torch.Tensor) \
                 else type(index).__name__
             raise TypeError(f"SampleKeys index must be a 1-D integer tensor (one global index per sample), got {what}")
-        for name, value in (("seed", seed), ("epoch", epoch), ("stream", stream)):
+        for name, value in (("seed", seed), ("stream", stream)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"SampleKeys {name} must be an int, got {value!r}")
+        _check_epoch(epoch, index)
         self.seed, self.epoch, self.stream = seed, epoch, stream
         self.path = tuple(int(p) for p in path)
         self.index = index.long()
         # The scrambled indices, computed once and shared by every child (same rows).
         self._scrambled: list[torch.Tensor | None] = [None]
-        self._salt = _fold_cached((seed, stream, epoch, len(self.path), *self.path))
+        # With an epoch tensor: the state after (seed, stream, epoch), folded once on the device.
+        self._epoch_state = None if not isinstance(epoch, torch.Tensor) else \
+            fold_tensor(_fold_cached((seed, stream)), epoch)
+        self._salt = self._fold_path(self.path)
+
+    def _fold_path(self, path: tuple[int, ...]) -> int | torch.Tensor:
+        """The salt ``H`` without the slot: a Python integer, or a 0-d device tensor with an epoch tensor."""
+        if self._epoch_state is None:
+            return _fold_cached((self.seed, self.stream, self.epoch, len(path), *path))
+        return fold_tensor(self._epoch_state, len(path), *path)
+
+    @property
+    def _numpy(self) -> bool:
+        """Whether draws finish in numpy (the CPU with a host-folded salt)."""
+        return self._epoch_state is None and _numpy_engine(self.index.device)
 
     @classmethod
     def for_batch(cls, n: int, device: torch.device | str | None = None, seed: int = 0,
@@ -225,8 +276,8 @@ class SampleKeys:
                  path: tuple[int, ...]) -> SampleKeys:
         out = SampleKeys.__new__(SampleKeys)
         out.seed, out.epoch, out.stream, out.path = self.seed, self.epoch, self.stream, path
-        out.index, out._scrambled = index, scrambled
-        out._salt = _fold_cached((self.seed, self.stream, self.epoch, len(path), *path))
+        out.index, out._scrambled, out._epoch_state = index, scrambled, self._epoch_state
+        out._salt = out._fold_path(path)
         return out
 
     def child(self, position: int) -> SampleKeys:
@@ -246,7 +297,9 @@ class SampleKeys:
             scrambled = self._scrambled[0] = scramble(self.index)
         return scrambled
 
-    def _slot_key(self, slot: int) -> int:
+    def _slot_key(self, slot: int) -> int | torch.Tensor:
+        if isinstance(self._salt, torch.Tensor):
+            return fold_tensor(self._salt, int(slot))
         return mix64((self._salt ^ (int(slot) & _MASK64)) + GOLDEN)
 
     def bits(self, slot: int, k: int | None = None) -> torch.Tensor:
@@ -261,7 +314,7 @@ class SampleKeys:
         """float64 uniforms, as a numpy array on the numpy engine (callers finish there: a few
         numpy ops cost less than torch dispatches on small per-sample draws)."""
         state = self._sample_state()
-        if _numpy_engine(state.device):
+        if self._numpy:
             z = _hash_np(state, self._slot_key(slot), k)
             return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
         return _to_uniform(hash_bits(state, self._slot_key(slot), k), torch.float64)
