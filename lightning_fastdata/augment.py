@@ -83,8 +83,8 @@ def _fusable_flip(op: Callable) -> bool:
 class Compose(BatchTransform):
     """Apply ops in order; the op at position i draws from ``keys.child(i)``.
 
-    A ``RandomCrop`` followed by a horizontal flip runs as one pass, with the same draws
-    and output as the two ops in sequence. Callables that are not augment ops are applied
+    A ``RandomCrop`` or ``RandomResizedCrop`` followed by a horizontal flip runs as one
+    pass, with the same draws and output as the two ops in sequence. Callables that are not augment ops are applied
     to each image field's tensor.
 
     Args:
@@ -100,7 +100,7 @@ class Compose(BatchTransform):
         while i < len(ops):
             op = ops[i]
             nxt = ops[i + 1] if i + 1 < len(ops) else None
-            if type(op) is RandomCrop and _fusable_flip(nxt):
+            if type(op) in (RandomCrop, RandomResizedCrop) and _fusable_flip(nxt):
                 crop = op.make_params(batch.replace(keys=keys.child(i)))
                 flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))  # type: ignore[union-attr]
                 batch = op.apply_batch(batch, **crop, flip=flip["flip"][:, 0])

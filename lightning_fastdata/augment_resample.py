@@ -83,6 +83,14 @@ def _resample_rows(x: torch.Tensor, index: torch.Tensor, wts: torch.Tensor | Non
     return out  # type: ignore[return-value]
 
 
+def _mirror_taps(taps: torch.Tensor, flip: torch.Tensor | None) -> torch.Tensor:
+    """Per-sample taps (N, out, K) with the output order reversed where ``flip``: output pixel i
+    of a flipped sample is computed exactly as pixel out - 1 - i of the unflipped one."""
+    if flip is None:
+        return taps
+    return torch.where(flip.view(-1, 1, 1), taps.flip(1), taps)
+
+
 def _nearest_taps(start: torch.Tensor, length: torch.Tensor, out_size: int) -> torch.Tensor:
     """torch's ``interpolate(mode="nearest")`` source pixel per output pixel: (N, out_size, 1).
 
@@ -184,16 +192,20 @@ class RandomResizedCrop(BatchTransform):
         return {"top": top.long(), "left": left.long(), "height": h.long(), "width": w.long()}
 
     def apply_batch(self, batch: Batch, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
-                    width: torch.Tensor) -> Batch:
-        """``F.resized_crop`` of each sample with its own box, all at once."""
+                    width: torch.Tensor, flip: torch.Tensor | None = None) -> Batch:
+        """``F.resized_crop`` of each sample with its own box, all at once; ``flip`` (bool (N,))
+        also mirrors those samples left-right at no cost (``Compose`` fuses a following
+        horizontal flip this way): their column taps are taken in reverse order, which is
+        exactly the mirrored output."""
         _require_2d(batch, "RandomResizedCrop")
+        per_sample = (top, left, height, width) if flip is None else (top, left, height, width, flip)
 
         def image(x: torch.Tensor) -> torch.Tensor:
-            return keep_format(chunked(self._image, x, top, left, height, width), x)
+            return keep_format(chunked(self._image, x, *per_sample), x)
 
         def mask(x: torch.Tensor) -> torch.Tensor:
             rows = _nearest_taps(top, height, self.size[0])
-            cols = _nearest_taps(left, width, self.size[1])
+            cols = _mirror_taps(_nearest_taps(left, width, self.size[1]), flip)
             flat = x.reshape(x.shape[0], -1, *x.shape[-2:])
             tmp = _resample_rows(flat, rows, None, None).transpose(2, 3).contiguous()
             out = _resample_rows(tmp, cols, None, None).transpose(2, 3)
@@ -202,12 +214,13 @@ class RandomResizedCrop(BatchTransform):
         return batch.map(image=image, mask=mask)
 
     def _image(self, x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
-               width: torch.Tensor) -> torch.Tensor:
+               width: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
         n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
         oh, ow = self.size
         dt = compute_dtype(x)
         rows = _resample_taps(top, height, h, oh, self.antialias, dt)
-        cols = _resample_taps(left, width, w, ow, self.antialias, dt)
+        index, wts = _resample_taps(left, width, w, ow, self.antialias, dt)
+        cols = (_mirror_taps(index, flip), _mirror_taps(wts, flip))
         flat = x.reshape(n, -1, h, w)
         # Rows, then columns through a transpose: both passes copy contiguous rows.
         tmp = _resample_rows(flat, *rows, dt).transpose(2, 3).contiguous()

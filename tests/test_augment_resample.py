@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
-from _augment_util import close, images, keys, ks_ok, tv_params
+from _augment_util import both_paths, close, images, keys, ks_ok, tv_params  # noqa: F401
 from torchvision import tv_tensors
 
 from lightning_fastdata import augment as A
@@ -46,6 +46,25 @@ def test_random_resized_crop_resizes_masks_nearest_as_torchvision(size):
         ref = TF.resized_crop(tv_tensors.Mask(mask[i]), int(b["top"][i]), int(b["left"][i]), int(b["height"][i]),
                               int(b["width"][i]), list(size))
         assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
+
+
+@pytest.mark.usefixtures("both_paths")
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+@pytest.mark.parametrize("antialias", [True, False])
+def test_resized_crop_fused_with_a_flip_equals_the_two_ops(dtype, antialias):
+    """Compose runs RandomResizedCrop + RandomHorizontalFlip as one op (reversed column taps):
+    bit-identical to flipping the resized crop, for images and masks, in any batch."""
+    x = images(9, dtype=dtype)
+    mask = (torch.arange(20 * 24).view(1, 20, 24) % 5).expand(9, 20, 24).contiguous()
+    batch = A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"}, keys(9, seed=4))
+    crop, flip = A.RandomResizedCrop((14, 11), antialias=antialias), A.RandomHorizontalFlip()
+    fused = A.Compose([crop, flip])(batch)
+    unfused = flip(crop(batch, batch.keys.child(0)), batch.keys.child(1))
+    assert 0 < int(flip.draw(batch, batch.keys.child(1))["flip"].sum()) < 9
+    for name in ("image", "mask"):
+        assert torch.equal(fused.fields[name], unfused.fields[name]), name
+    sub = A.Batch({"image": x[3:7], "mask": mask[3:7]}, {"image": "image", "mask": "mask"}, keys(4, seed=4, start=3))
+    assert torch.equal(A.Compose([crop, flip])(sub).fields["image"], fused.fields["image"][3:7])
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
