@@ -214,44 +214,65 @@ class ColorJitter(BatchTransform):
     def apply_batch(self, batch: Batch, order: torch.Tensor, factors: torch.Tensor) -> Batch:
         """``F.adjust_brightness/contrast/saturation`` per sample, in each sample's order."""
         _require_2d(batch, "ColorJitter")
-        return batch.map(image=lambda x: keep_format(chunked(self._run, x, order, factors), x))
 
-    def _run(self, x: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-        c = x.shape[-3]
-        if c not in (1, 3):
-            raise ValueError(f"ColorJitter needs 1 or 3 channels, the batch has {c}")
+        def run(x: torch.Tensor) -> torch.Tensor:
+            c = x.shape[-3]
+            if c not in (1, 3):
+                raise ValueError(f"ColorJitter needs 1 or 3 channels, the batch has {c}")
+            coef = self._coefficients(order, factors, c, compute_dtype(x),
+                                      1.0 if x.is_floating_point() else float(INT_MAX[x.dtype]))
+            # On the CPU, whether every sample is adjusted at a step (then the clamp takes
+            # scalar bounds): read once per batch from the host.
+            every = (coef[:, 3] == 0).all(0).tolist() if host_shortcuts(x.device) else [False] * 3
+            return keep_format(chunked(lambda xs, cs: self._run(xs, cs, every), x, coef), x)
+
+        return batch.map(image=run)
+
+    def _coefficients(self, order: torch.Tensor, factors: torch.Tensor, c: int, dt: torch.dtype,
+                      bound: float) -> torch.Tensor:
+        """Per sample and step (N, 5, 3): the factor of the image, of its grayscale, of the mean
+        grayscale, and the clamp bounds (-inf/inf where the step leaves the sample alone).
+
+        Every adjustment is a blend ``y * r + other * (1 - r)``: other is 0 (brightness), the
+        mean of the grayscale image (contrast) or the grayscale image (saturation). Computed
+        once per batch for the three steps (a few small ops, not a few per step and chunk).
+        """
         active = const([r is not None for r in (self.brightness, self.contrast, self.saturation)],
-                       x.device, torch.bool)
+                       order.device, torch.bool)
+        on = active[order]
+        if c == 1:
+            on = on & (order != 2)  # torchvision leaves 1-channel images alone in adjust_saturation
+        ratio = factors.gather(1, order)
+        rest = (1.0 - ratio.double()).to(dt)
+        ratio = ratio.to(dt)
+        zero = torch.zeros_like(rest)
+        return torch.stack([torch.where(on, ratio, torch.ones_like(ratio)),
+                            torch.where(on & (order == 2), rest, zero),
+                            torch.where(on & (order == 1), rest, zero),
+                            torch.where(on, zero, float("-inf")),
+                            torch.where(on, torch.full_like(rest, bound), float("inf"))], dim=1)
+
+    def _run(self, x: torch.Tensor, coef: torch.Tensor, every: list[bool]) -> torch.Tensor:
+        c = x.shape[-3]
         fp = x.is_floating_point()
         bound = 1.0 if fp else float(INT_MAX[x.dtype])
         host = host_shortcuts(x.device)
-        dt = compute_dtype(x)
-        y = samples_view(x, 2).to(dt)
+        y = samples_view(x, 2).to(coef.dtype)
         n = y.shape[0]
         view = (n, 1, 1, 1, 1)
         # Decided on the host from the configuration: no device sync inside the loop.
         use_contrast = self.contrast is not None
         use_saturation = self.saturation is not None and c == 3
         for step in range(3):
-            op = order[:, step]
-            on = active[op]
-            if c == 1:
-                # torchvision leaves 1-channel images alone in adjust_saturation.
-                on = on & (op != 2)
-            # Every adjustment is a blend y * r + other * (1 - r): other is 0 (brightness),
-            # the mean of the grayscale image (contrast) or the grayscale image (saturation).
-            # Per sample that is y * a + gray * g + mean * m: fused passes for the whole batch.
-            ratio = factors.gather(1, op.view(-1, 1)).view(-1)
-            rest = (1.0 - ratio.double()).to(dt)
-            ratio = ratio.to(dt)
-            zero = torch.zeros_like(rest)
-            out = y * torch.where(on, ratio, torch.ones_like(ratio)).view(view)
+            scale, sat, con, lo, hi = (coef[:, k, step].view(view) for k in range(5))
+            # Per sample y * a + gray * g + mean * m: fused passes for the whole batch.
+            out = y * scale
             if use_contrast or use_saturation:
                 gray = _gray(y) if c == 3 else y
                 if not fp:
                     gray = gray.floor_()
                 if use_saturation:
-                    out.addcmul_(gray, torch.where(on & (op == 2), rest, zero).view(view))
+                    out.addcmul_(gray, sat)
                 if use_contrast:
                     mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
                     if host:
@@ -259,14 +280,9 @@ class ColorJitter(BatchTransform):
                         # its vectorised path (5-10x slower on the CPU); a plane of the mean keeps it
                         # on, with the same arithmetic.
                         mean = mean.expand_as(gray).contiguous()
-                    out.addcmul_(mean, torch.where(on & (op == 1), rest, zero).view(view))
+                    out.addcmul_(mean, con)
             # Clamp (and truncate, for integer images) only the samples adjusted at this step.
-            if host and bool(on.all()):
-                y = out.clamp_(0.0, bound)  # every sample adjusted: scalar bounds, the vectorised clamp
-            else:
-                lo = torch.where(on, zero, float("-inf")).view(view)
-                hi = torch.where(on, torch.full_like(rest, bound), float("inf")).view(view)
-                y = out.clamp_(lo, hi)
+            y = out.clamp_(0.0, bound) if every[step] else out.clamp_(lo, hi)
             if not fp:
                 # floor == trunc here (adjusted values are >= 0, the others already integers);
                 # floor is vectorised on the CPU, trunc is not (10x slower).

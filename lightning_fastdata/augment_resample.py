@@ -198,10 +198,15 @@ class RandomResizedCrop(BatchTransform):
         horizontal flip this way): their column taps are taken in reverse order, which is
         exactly the mirrored output."""
         _require_2d(batch, "RandomResizedCrop")
-        per_sample = (top, left, height, width) if flip is None else (top, left, height, width, flip)
 
         def image(x: torch.Tensor) -> torch.Tensor:
-            return keep_format(chunked(self._image, x, *per_sample), x)
+            # The taps once per batch (a few dozen small ops), then the resampling in chunks.
+            h, w = x.shape[-2:]
+            dt = compute_dtype(x)
+            rows = _resample_taps(top, height, h, self.size[0], self.antialias, dt)
+            index, wts = _resample_taps(left, width, w, self.size[1], self.antialias, dt)
+            cols = (_mirror_taps(index, flip), _mirror_taps(wts, flip))
+            return keep_format(chunked(self._image, x, *rows, *cols), x)
 
         def mask(x: torch.Tensor) -> torch.Tensor:
             rows = _nearest_taps(top, height, self.size[0])
@@ -213,14 +218,12 @@ class RandomResizedCrop(BatchTransform):
 
         return batch.map(image=image, mask=mask)
 
-    def _image(self, x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
-               width: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
+    def _image(self, x: torch.Tensor, row_index: torch.Tensor, row_wts: torch.Tensor, col_index: torch.Tensor,
+               col_wts: torch.Tensor) -> torch.Tensor:
         n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
         oh, ow = self.size
         dt = compute_dtype(x)
-        rows = _resample_taps(top, height, h, oh, self.antialias, dt)
-        index, wts = _resample_taps(left, width, w, ow, self.antialias, dt)
-        cols = (_mirror_taps(index, flip), _mirror_taps(wts, flip))
+        rows, cols = (row_index, row_wts), (col_index, col_wts)
         flat = x.reshape(n, -1, h, w)
         # Rows, then columns through a transpose: both passes copy contiguous rows.
         tmp = _resample_rows(flat, *rows, dt).transpose(2, 3).contiguous()
