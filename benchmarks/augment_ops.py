@@ -122,7 +122,8 @@ def measure(repeats: int) -> dict[str, Any]:
             call()  # warm-up: caches, constants, allocator
         counts = _count_ops(call)
         times = _time(call, repeats)
-        result = {**counts, "ms_min": 1e3 * min(times), "ms_median": 1e3 * statistics.median(times)}
+        result = {**counts, "ms_min": 1e3 * min(times), "ms_median": 1e3 * statistics.median(times),
+                  "times_ms": [1e3 * t for t in times]}
         accelerator = _accelerator_path()
         if accelerator is not None:
             with accelerator:
@@ -183,6 +184,17 @@ def _run_worker(tree: Path, repeats: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One version's rounds as one result: the first round's counts, every round's times."""
+    out = dict(runs[0])
+    out["cases"] = {}
+    for key, first in runs[0]["cases"].items():
+        times = [t for r in runs for t in r["cases"][key]["times_ms"]]
+        out["cases"][key] = {**first, "ms_min": min(times), "ms_median": statistics.median(times), "times_ms": times}
+    out["memcpy_ms"] = {d: min(r["memcpy_ms"][d] for r in runs) for d in runs[0]["memcpy_ms"]}
+    return out
+
+
 def table(versions: list[dict[str, Any]]) -> str:
     """Markdown: per case and version, ops dispatched (data-touching ones), the accelerator path's
     data-touching ops, and the CPU ms (min, median)."""
@@ -208,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default 30, --quick 5)")
     p.add_argument("--quick", action="store_true", help="few repeats: a smoke test")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="versions take turns this many times, repeats split among the turns (default 3, --quick 1)")
     p.add_argument("--baseline", action="append", default=None, metavar="LABEL=REV",
                    help=f"an earlier commit to compare (repeatable; default {BASELINES})")
     p.add_argument("--no-baselines", action="store_true", help="measure this checkout only")
@@ -221,20 +235,26 @@ def main(argv: list[str] | None = None) -> int:
     baselines = {} if args.no_baselines else (
         dict(b.split("=", 1) for b in args.baseline) if args.baseline else dict(BASELINES))
     load_before = os.getloadavg()[0]
-    versions = []
+    rounds = args.rounds or (1 if args.quick else 3)
+    trees: dict[str, tuple[str | None, Path]] = {}
     with tempfile.TemporaryDirectory(prefix="augment-ops-") as tmp:
         for label, rev in baselines.items():
             try:
-                tree = _tree(rev, Path(tmp) / label)
+                trees[label] = (rev, _tree(rev, Path(tmp) / label))
             except (subprocess.CalledProcessError, OSError) as e:
                 print(f"{label} ({rev}): not measured, {e}", file=sys.stderr)
-                continue
-            versions.append({"label": label, "rev": rev, "results": _run_worker(tree, repeats)})
-        versions.append({"label": "this checkout", "rev": None, "results": _run_worker(ROOT, repeats)})
+        trees["this checkout"] = (None, ROOT)
+        # Versions take turns, round after round: a busy spell of the machine hits them alike.
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+        for _ in range(rounds):
+            for label, (_, tree) in trees.items():
+                runs[label].append(_run_worker(tree, max(1, repeats // rounds)))
+    versions = [{"label": label, "rev": rev, "results": _merge(runs[label])} for label, (rev, _) in trees.items()]
     import torch
 
     out = {
-        "meta": {"torch": torch.__version__, "torch_threads": 1, "repeats": repeats, "quick": args.quick,
+        "meta": {"torch": torch.__version__, "torch_threads": 1, "repeats": repeats, "rounds": rounds,
+                 "quick": args.quick,
                  "cpus": len(os.sched_getaffinity(0)), "load_before": load_before, "load_after": os.getloadavg()[0],
                  "note": "dispatched_ops: aten ops called from Python in one augmentation call (exact); ms: "
                          "min and median wall time of one call over the repeats, on a machine that may be "

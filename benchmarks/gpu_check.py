@@ -1,250 +1,369 @@
-"""GPU placement check: full preload vs chunked streaming vs a plain DataLoader, side by side.
+"""GPU check (under 5 minutes on one GPU): training speed per loader, streaming bandwidth, the demo.
 
-Prints, for CIFAR-sized (50000x3x32x32 uint8) and ImageNet-sized (2000x3x224x224 uint8)
-data: samples/s of the ``device`` (full preload) and ``chunked`` loaders and their ratio;
-the chunked loader's effective host-to-device rate against a plain pinned copy; and the
-GPU idle time between the steps of a torchvision ResNet-18 trained from each loader and
-from a plain ``DataLoader``. Runs on the CPU too (``--device cpu``: no copies, no events;
-the idle time is then the host's wait for the next batch).
+Three sections, one JSON (``benchmarks/results/gpu_check_<gpu>.json``) and a printed table:
 
-    python benchmarks/gpu_check.py                   # cuda when available, else cpu
-    python benchmarks/gpu_check.py --device cpu --only throughput --datasets cifar
+* ``training``: ResNet-18 on a CIFAR-sized store (50,000 x 3x32x32 uint8, RandomCrop(32,
+  padding=4) + flip + normalize) and ResNet-50 on a 128 px ImageNet-sized store (10,000 x
+  3x128x128 uint8, RandomResizedCrop(112) + flip + normalize), batch 256, through Lightning
+  with ``precision="bf16-mixed"`` and channels_last. Four loaders each: a plain
+  ``DataLoader`` (per-sample torchvision v2 transforms in its workers, pinned memory,
+  normalized on the GPU) at its best ``num_workers`` (measured loader-only among 2, 4, 8 ...
+  up to the cores) and at 2 workers (2 cores per GPU: a dense 8-GPU node's share), against
+  ``OptimizedDataModule`` with the ``device`` and ``chunked`` strategies. Figures of the
+  last epoch from ``FastDataCallback``'s report: steps/s, GPU idle share (CUDA events),
+  data-wait share, verdict.
+* ``bandwidth``: the chunked source alone (``benchmarks/chunked_bandwidth.py``) for 3 KB and
+  150 KB rows: host gather, pinned host-to-device copy, end-to-end GB/s and its ratio to
+  the copy.
+* ``demo``: ``python -m lightning_fastdata.demo`` on this device (its JSON is embedded).
+
+At the end it prints the issue's targets (GPU idle < 1% of the ResNet-18 step for device
+and chunked; chunked >= 0.8 of the pinned copy for both row sizes; the demo's fastdata
+data wait < 5%) with the measured figure and whether each is met.
+
+    benchmarks/gpu_check.sh                             # the full check on CUDA
+    python benchmarks/gpu_check.py --quick --device cpu # seconds-to-minutes smoke test on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import statistics
+import re
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable
+import warnings
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_fastdata.loaders import IndexLoader, ShardedOrder
-from lightning_fastdata.placement import ChunkBuffers, ChunkedSource, DeviceSource, HostSource, place_fields
-from lightning_fastdata.store import Store
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+#: name -> (model, classes, store rows, sample shape, crop kind, crop size); quick variants are tiny.
+CASES = {
+    "resnet18-cifar": ("resnet18", 10, 50_000, (3, 32, 32), "crop", 32),
+    "resnet50-128px": ("resnet50", 100, 10_000, (3, 128, 128), "resized", 112),
+}
+QUICK_CASES = {
+    "resnet18-cifar": ("resnet18", 10, 384, (3, 32, 32), "crop", 32),
+    "resnet50-128px": ("resnet50", 100, 96, (3, 40, 40), "resized", 32),
+}
+TARGETS = {"gpu_idle_frac": 0.01, "chunked_over_copy": 0.8, "demo_data_wait_frac": 0.05}
 
-DATASETS = {"cifar": (50000, (3, 32, 32), 256), "imagenet": (2000, (3, 224, 224), 64)}
+
+def slug(name: str) -> str:
+    """``NVIDIA H200`` -> ``h200``: the file name part of a device name."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    return "-".join(words) or "gpu"
 
 
-def make_store(n: int, shape: tuple[int, ...], seed: int = 0) -> Store:
-    rng = np.random.default_rng(seed)
-    images = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
-    return Store.from_arrays((images, rng.integers(0, 10, n, dtype=np.int64)))
+# --------------------------------------------------------------------------- training
 
 
-def sync(device: torch.device) -> None:
+class _PlainImages(torch.utils.data.Dataset):
+    """What a user writes: uint8 arrays, a torchvision v2 transform per sample in the workers."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform: Any) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.transform(torch.from_numpy(self.images[i])), int(self.labels[i])
+
+
+def _transforms(kind: str, size: int) -> tuple[Any, Any]:
+    """(the plain loader's per-sample torchvision v2 transform, the on-device augment)."""
+    import torchvision.transforms.v2 as T
+
+    from lightning_fastdata import augment as A
+
+    if kind == "crop":
+        return (T.Compose([T.RandomCrop(size, padding=4), T.RandomHorizontalFlip()]),
+                A.Compose([A.RandomCrop(size, padding=4), A.RandomHorizontalFlip(), A.Normalize(MEAN, STD)]))
+    return (T.Compose([T.RandomResizedCrop(size, antialias=True), T.RandomHorizontalFlip()]),
+            A.Compose([A.RandomResizedCrop(size), A.RandomHorizontalFlip(), A.Normalize(MEAN, STD)]))
+
+
+def _modules(arch: str, classes: int) -> tuple[Any, Any]:
+    """The LightningModule and OptimizedDataModule classes (Lightning imported only when training)."""
+    import lightning as L
+    import torchvision
+
+    from lightning_fastdata import OptimizedDataModule
+
+    class Classifier(L.LightningModule):
+        """A torchvision ResNet in channels_last; uint8 batches are normalized on the device."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = getattr(torchvision.models, arch)(num_classes=classes).to(memory_format=torch.channels_last)
+            self.register_buffer("mean", torch.tensor(MEAN).view(1, 3, 1, 1) * 255, persistent=False)
+            self.register_buffer("std", torch.tensor(STD).view(1, 3, 1, 1) * 255, persistent=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if x.dtype == torch.uint8:
+                x = (x.float() - self.mean) / self.std
+            x = x.contiguous(memory_format=torch.channels_last)
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    class Store(OptimizedDataModule):
+        """The same arrays as the plain loader, cached once and placed by the strategy."""
+
+        def __init__(self, images: np.ndarray, labels: np.ndarray, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.images, self.labels = images, labels
+
+        def source(self, split: str) -> Any:
+            if split != "train":
+                return None
+            return torch.utils.data.TensorDataset(torch.from_numpy(self.images), torch.from_numpy(self.labels))
+
+    return Classifier, Store
+
+
+def _fit(model: Any, device: torch.device, steps: int, loader: Any = None, datamodule: Any = None) -> dict[str, Any]:
+    """Two epochs of ``steps`` steps; the second epoch's figures from FastDataCallback."""
+    import lightning as L
+
+    from lightning_fastdata import FastDataCallback
+
+    cb = FastDataCallback(print_report=False, log_memory=False)
+    cuda = device.type == "cuda"
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
+                        max_epochs=2, limit_train_batches=steps, limit_val_batches=0, num_sanity_val_steps=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, benchmark=cuda, callbacks=[cb])
+    t0 = time.perf_counter()
+    trainer.fit(model, train_dataloaders=loader, datamodule=datamodule)
+    fit_s = time.perf_counter() - t0
+    train = cb.report()["stages"]["train"]
+    last = train["epochs"][-1]
+    return {"steps_s": 1e3 / last["step_ms_mean"], "step_ms": last["step_ms_mean"],
+            "gpu_idle_frac": last.get("gpu_idle_frac"), "data_wait_frac": last["data_wait_frac"],
+            "overhead_frac": last["overhead_frac"], "verdict": train["verdict"], "fit_s": fit_s,
+            "steps_per_epoch": last["steps"]}
+
+
+def _plain_loader(ds: _PlainImages, batch: int, workers: int, device: torch.device) -> Any:
+    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
+                                       pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+
+
+def _loader_rate(ds: _PlainImages, batch: int, workers: int, device: torch.device, batches: int) -> float:
+    """Loader-only samples/s of the plain DataLoader (after two warm-up batches)."""
+    loader = _plain_loader(ds, batch, workers, device)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        x, _ = next(it)
+        x.to(device, non_blocking=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    rate = batches * batch / (time.perf_counter() - t0)
+    del it, loader
+    return rate
 
 
-def _names(store: Store) -> list[str]:
-    return [i.name for i in store.infos]
+def worker_candidates(cores: int, quick: bool) -> list[int]:
+    """2, 4, 8, ... up to the cores, and the cores (0 and 1 in a quick run)."""
+    if quick:
+        return [0, 1]
+    out, w = [], 2
+    while w < cores:
+        out.append(w)
+        w *= 2
+    return sorted({*out, max(2, cores)})
 
 
-def device_loader(store: Store, fields: list[torch.Tensor], bs: int) -> IndexLoader:
-    return IndexLoader(DeviceSource(fields), ShardedOrder(len(store), bs, seed=0), store.spec, _names(store))
-
-
-def chunked_loader(store: Store, device: torch.device, bs: int, chunk_mb: float) -> IndexLoader:
-    buffers = ChunkBuffers.for_store(store, device, int(chunk_mb * 2**20), bs)
-    return IndexLoader(ChunkedSource(HostSource(list(store.fields)), buffers), ShardedOrder(len(store), bs, seed=0),
-                       store.spec, _names(store))
-
-
-def rate(make: Callable[[int], Iterable], n: int, device: torch.device, epochs: int) -> float:
-    """Median samples/s over ``epochs`` timed epochs (after one untimed), work completed."""
-    times = []
-    for epoch in range(epochs + 1):
-        loader = make(epoch)
-        sync(device)
-        t0 = time.perf_counter()
-        for _batch in loader:
-            pass
-        sync(device)
-        if epoch:
-            times.append(time.perf_counter() - t0)
-    return n / statistics.median(times)
-
-
-def pinned_copy_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return nbytes / min(times) / 1e9
-
-
-def at_epoch(loader: IndexLoader, epoch: int) -> IndexLoader:
-    loader.set_epoch(epoch)
-    return loader
-
-
-def _full_rate(store: Store, bs: int, device: torch.device, epochs: int) -> float:
-    loader = device_loader(store, place_fields(list(store.fields), device), bs)
-    return rate(lambda e: at_epoch(loader, e), len(store), device, epochs)
-
-
-def throughput(name: str, store: Store, bs: int, device: torch.device, args: argparse.Namespace) -> dict:
-    n = len(store)
-    full = _full_rate(store, bs, device, args.epochs)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    chunked = chunked_loader(store, device, bs, args.chunk_mb)
-    streamed = rate(lambda e: at_epoch(chunked, e), n, device, args.epochs)
-    out = {"dataset": name, "store_MB": store.nbytes / 1e6, "batch_size": bs, "chunk_rows": chunked.source.rows,
-           "full_samples_s": full, "chunked_samples_s": streamed, "chunked_over_full": streamed / full}
-    print(f"{name:9s} store {store.nbytes / 1e6:7.1f} MB  bs {bs:4d}  chunk {chunked.source.rows:6d} rows | "
-          f"full preload {full:12,.0f} samples/s | chunked {streamed:12,.0f} samples/s | "
-          f"chunked/full {streamed / full:6.2f}")
-    if device.type == "cuda":
-        effective = streamed * store.nbytes / n / 1e9
-        plain = pinned_copy_gbps(device)
-        out.update(chunked_effective_GBps=effective, pinned_copy_GBps=plain,
-                   staging_pinned=chunked.source.buffers.pinned)
-        print(f"{'':9s} H2D: chunked effective {effective:6.1f} GB/s (store bytes / epoch time, staging pinned: "
-              f"{chunked.source.buffers.pinned}) vs plain pinned copy {plain:6.1f} GB/s = {effective / plain:5.1%}")
-    chunked.close()
+def training(device: torch.device, quick: bool, cache_dir: str) -> dict[str, Any]:
+    """Every case with every loader; prints a line per run."""
+    cases = QUICK_CASES if quick else CASES
+    batch = 16 if quick else 256
+    steps = 3 if quick else {"resnet18-cifar": 60, "resnet50-128px": 30}
+    cores = len(os.sched_getaffinity(0))
+    out: dict[str, Any] = {"batch_size": batch, "cores": cores, "cases": {}}
+    for name, (arch, classes, n, shape, kind, size) in cases.items():
+        case_steps = steps if isinstance(steps, int) else steps[name]
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+        labels = rng.integers(0, classes, n, dtype=np.int64)
+        per_sample, on_device = _transforms(kind, size)
+        Classifier, Store = _modules(arch, classes)  # noqa: N806
+        ds = _PlainImages(images, labels, per_sample)
+        measured = {w: _loader_rate(ds, batch, w, device, 4 if quick else 30)
+                    for w in worker_candidates(cores, quick)}
+        best = max(measured, key=measured.get)
+        share = 1 if quick else 2
+        runs: dict[str, Any] = {}
+        print(f"{name}: {n} x {shape} uint8, batch {batch}, {case_steps} steps x 2 epochs; plain DataLoader "
+              f"loader-only samples/s by workers: " + ", ".join(f"{w}: {r:,.0f}" for w, r in measured.items()))
+        arms = [(f"DataLoader, best workers ({best})", best),
+                (f"DataLoader, {share} worker{'s' if share > 1 else ''}" + ("" if quick else " (2 cores per GPU)"),
+                 share)]
+        for label, workers in arms:
+            torch.manual_seed(0)
+            runs[label] = {"num_workers": workers, **_fit(Classifier(), device, case_steps,
+                                                          loader=_plain_loader(ds, batch, workers, device))}
+        for strategy in ("device", "chunked"):
+            torch.manual_seed(0)
+            dm = Store(images, labels, batch_size=batch, strategy=strategy, drop_last=True, train_augment=on_device,
+                       cache_dir=cache_dir, device=str(device) if device.type == "cpu" else None, progress=False)
+            dm.prepare_data()  # the cache is built outside the timed fit
+            runs[f"fastdata {strategy}"] = {"strategy": strategy, **_fit(Classifier(), device, case_steps,
+                                                                          datamodule=dm)}
+        for label, r in runs.items():
+            idle = "n/a" if r["gpu_idle_frac"] is None else f"{r['gpu_idle_frac']:.1%}"
+            print(f"  {label:44s} {r['steps_s']:8.1f} steps/s  GPU idle {idle:>6s}  data wait "
+                  f"{r['data_wait_frac']:6.1%}  {r['verdict']}")
+        out["cases"][name] = {"model": arch, "store_rows": n, "sample_shape": list(shape),
+                              "augment": f"{kind} {size}", "steps_per_epoch": case_steps,
+                              "workers_measured": {str(w): r for w, r in measured.items()},
+                              "best_num_workers": best, "runs": runs}
+        del images, ds
     return out
 
 
-def plain_dataloader(store: Store, bs: int, workers: int, device: torch.device) -> torch.utils.data.DataLoader:
-    ds = torch.utils.data.TensorDataset(torch.from_numpy(store.fields[0]), torch.from_numpy(store.fields[1]))
-    return torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers,
-                                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                                       drop_last=True)
+# --------------------------------------------------------------------------- bandwidth and demo
 
 
-def train_idle(name: str, loader: Iterable, steps: int, device: torch.device, warmup: int = 5) -> dict:
-    """Train a ResNet-18 for ``steps`` steps; time the GPU idle gap between consecutive steps."""
-    import torchvision
+def bandwidth(device: torch.device, quick: bool) -> dict[str, Any]:
+    """The chunked source alone, per row size (see chunked_bandwidth.py)."""
+    import chunked_bandwidth
 
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=10).to(device).to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    mean = torch.tensor([0.49, 0.48, 0.45], device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor([0.25, 0.24, 0.26], device=device).view(1, 3, 1, 1) * 255
-    cuda = device.type == "cuda"
-    marks: list[tuple] = []
-    waits: list[float] = []
-    last_end = time.perf_counter()
-    it = iter(loader)
-    t0 = None
-    for step in range(steps + warmup):
-        try:
-            x, y = next(it)
-        except StopIteration:
-            it = iter(loader)
-            x, y = next(it)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if step == warmup:
-            sync(device)
-            t0 = time.perf_counter()
-        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            start.record()
-        elif step >= warmup:
-            waits.append(start - last_end)
-        xf = ((x.float() - mean) / std).contiguous(memory_format=torch.channels_last)
-        loss = torch.nn.functional.cross_entropy(model(xf), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            if step >= warmup:
-                marks.append((start, end))
-        last_end = time.perf_counter()
-    sync(device)
-    wall = time.perf_counter() - t0
-    if cuda:
-        gaps = [marks[i - 1][1].elapsed_time(marks[i][0]) for i in range(1, len(marks))]
-        busy = sum(s.elapsed_time(e) for s, e in marks)
-        idle = sum(gaps)
-        res = {"idle_ms_per_step": idle / len(gaps), "idle_ms_p50": statistics.median(gaps),
-               "idle_frac": idle / (idle + busy)}
-    else:
-        res = {"idle_ms_per_step": 1e3 * statistics.fmean(waits), "idle_ms_p50": 1e3 * statistics.median(waits),
-               "idle_frac": sum(waits) / wall}
-    res.update(loader=name, steps=steps, steps_s=steps / wall)
-    print(f"  {name:28s} idle between steps: mean {res['idle_ms_per_step']:8.3f} ms  p50 {res['idle_ms_p50']:8.3f} ms"
-          f"  idle {res['idle_frac']:6.1%}  | {res['steps_s']:7.1f} steps/s")
-    return res
+    return chunked_bandwidth.run(device, quick, [1, 2, 4], 3 if quick else 5)
 
 
-def resnet(store: Store, device: torch.device, args: argparse.Namespace) -> list[dict]:
-    bs = args.resnet_batch
-    print(f"ResNet-18 on {len(store)}x{tuple(store.infos[0].shape)} uint8, batch {bs}, {args.steps} steps "
-          f"({'GPU idle from CUDA events' if device.type == 'cuda' else 'host wait for the next batch'}):")
+def demo(device: torch.device, quick: bool, work: Path) -> dict[str, Any] | None:
+    """``python -m lightning_fastdata.demo`` on this machine; its JSON, or None if it failed."""
+    out = work / "demo.json"
+    cmd = [sys.executable, "-m", "lightning_fastdata.demo", "--data-dir", str(work / "demo_data"),
+           "--json-out", str(out)]
+    if quick:
+        cmd += ["--quick", "--epochs", "1", "--num-workers", "0"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    if device.type == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    print(proc.stdout[-3000:])
+    if proc.returncode:
+        print(f"the demo failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+# --------------------------------------------------------------------------- report
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's GPU targets, each with the measured figure and whether it is met (None: not measured)."""
     rows = []
-    fields = place_fields(list(store.fields), device)
-    rows.append(train_idle("device (full preload)", device_loader(store, fields, bs), args.steps, device))
-    del fields
-    chunked = chunked_loader(store, device, bs, args.chunk_mb)
-    rows.append(train_idle(f"chunked ({args.chunk_mb:g} MB chunks)", chunked, args.steps, device))
-    chunked.close()
-    for workers in sorted({0, args.workers}):
-        dl = plain_dataloader(store, bs, workers, device)
-        rows.append(train_idle(f"DataLoader num_workers={workers}", dl, args.steps, device))
-        del dl
+    cifar = result.get("training", {}).get("cases", {}).get("resnet18-cifar", {}).get("runs", {})
+    for strategy in ("device", "chunked"):
+        r = cifar.get(f"fastdata {strategy}")
+        value = None if r is None else r["gpu_idle_frac"]
+        rows.append({"target": f"ResNet-18 GPU idle with {strategy} < {TARGETS['gpu_idle_frac']:.0%}",
+                     "value": value, "met": None if value is None else value < TARGETS["gpu_idle_frac"]})
+    for r in result.get("bandwidth", {}).get("results", []):
+        value = r.get("end_to_end_over_h2d")
+        rows.append({"target": f"chunked >= {TARGETS['chunked_over_copy']:.0%} of the pinned copy, {r['rows']}",
+                     "value": value, "met": None if value is None else value >= TARGETS["chunked_over_copy"]})
+    d = result.get("demo")
+    value = None if not d else d["fastdata"]["data_wait_frac"]
+    rows.append({"target": f"demo's fastdata data wait < {TARGETS['demo_data_wait_frac']:.0%}", "value": value,
+                 "met": None if value is None or result["device"] == "cpu" else
+                 value < TARGETS["demo_data_wait_frac"]})
     return rows
 
 
-def main() -> None:
+def table(result: dict[str, Any]) -> str:
+    """The training figures as a markdown table, then the bandwidth and the targets."""
+    lines = ["| model | loader | steps/s | GPU idle | data wait | verdict |", "|---|---|---:|---:|---:|---|"]
+    for name, case in result.get("training", {}).get("cases", {}).items():
+        for label, r in case["runs"].items():
+            idle = "n/a" if r["gpu_idle_frac"] is None else f"{r['gpu_idle_frac']:.1%}"
+            lines.append(f"| {name} | {label} | {r['steps_s']:.1f} | {idle} | {r['data_wait_frac']:.1%} | "
+                         f"{r['verdict']} |")
+    bw = result.get("bandwidth", {}).get("results", [])
+    if bw:
+        lines += ["", "| rows | gather 1 / 2 / 4 threads GB/s | H2D GB/s | chunked end to end GB/s (best) | "
+                      "chunked / copy |", "|---|---:|---:|---:|---:|"]
+        for r in bw:
+            g = " / ".join(f"{v:.1f}" for v in r["gather_GBps"].values())
+            h2d = f"{r['h2d_GBps']:.1f}" if "h2d_GBps" in r else "n/a (no CUDA)"
+            ratio = f"{r['end_to_end_over_h2d']:.0%}" if "end_to_end_over_h2d" in r else "n/a"
+            lines.append(f"| {r['rows']} | {g} | {h2d} | {max(r['end_to_end_GBps'].values()):.1f} | {ratio} |")
+    lines += ["", "| target | measured | met |", "|---|---:|---|"]
+    for t in result.get("targets", []):
+        v = t["value"]
+        shown = "not measured" if v is None else f"{v:.1%}"
+        lines.append(f"| {t['target']} | {shown} | {'-' if t['met'] is None else 'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
-    p.add_argument("--only", choices=["throughput", "resnet"], help="run one section")
-    p.add_argument("--datasets", default="cifar,imagenet", help="comma-separated: cifar, imagenet")
-    p.add_argument("--epochs", type=int, default=3, help="timed epochs per loader (median)")
-    p.add_argument("--chunk-mb", type=float, default=32.0, help="chunk buffer size")
-    p.add_argument("--steps", type=int, default=None, help="ResNet steps per loader (default 100 cuda, 8 cpu)")
-    p.add_argument("--resnet-batch", type=int, default=None, help="default 256 cuda, 32 cpu")
-    p.add_argument("--resnet-samples", type=int, default=None, help="default 50000 cuda, 2048 cpu")
-    p.add_argument("--workers", type=int, default=min(8, len(os.sched_getaffinity(0))),
-                   help="num_workers of the plain DataLoader (also compared with 0)")
-    p.add_argument("--json", help="write the results here")
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="tiny stores and models: a smoke test (any device)")
+    p.add_argument("--sections", default="training,bandwidth,demo", help="comma-separated: training, bandwidth, demo")
+    p.add_argument("--json", default=None, help="where to write the results (default "
+                   "benchmarks/results/gpu_check_<gpu>.json; '' for nowhere)")
+    args = p.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    cuda = device.type == "cuda"
-    args.steps = args.steps or (100 if cuda else 8)
-    args.resnet_batch = args.resnet_batch or (256 if cuda else 32)
-    args.resnet_samples = args.resnet_samples or (50000 if cuda else 2048)
-    name = torch.cuda.get_device_name(device) if cuda else f"CPU ({len(os.sched_getaffinity(0))} cores)"
-    print(f"device: {device} ({name}), torch {torch.__version__}, "
-          f"OMP threads {torch.get_num_threads()}")
-    if not cuda:
-        print("no CUDA: no host-to-device copies or CUDA events; H2D bandwidth is skipped")
-    results: dict = {"device": str(device), "name": name, "throughput": [], "resnet": []}
-    t_start = time.perf_counter()
-    stores = {}
-    for key in args.datasets.split(","):
-        n, shape, bs = DATASETS[key]
-        stores[key] = make_store(n, shape)
-        if args.only in (None, "throughput"):
-            results["throughput"].append(throughput(key, stores[key], bs, device, args))
-    if args.only in (None, "resnet"):
-        base = stores.get("cifar") or make_store(*DATASETS["cifar"][:2])
-        sub = Store.from_arrays((np.asarray(base.fields[0][:args.resnet_samples]),
-                                 np.asarray(base.fields[1][:args.resnet_samples])))
-        results["resnet"] = resnet(sub, device, args)
-    print(f"total {time.perf_counter() - t_start:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - {"training", "bandwidth", "demo"}
+    if unknown:
+        p.error(f"unknown section(s) {sorted(unknown)}; choose among training, bandwidth, demo")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU ({len(os.sched_getaffinity(0))} cores)"
+    print(f"device: {device} ({name}), torch {torch.__version__}{', quick' if args.quick else ''}")
+    result: dict[str, Any] = {"format": 2, "device": device.type, "name": name, "quick": args.quick,
+                              "torch": torch.__version__, "cores": len(os.sched_getaffinity(0)),
+                              "load_before": os.getloadavg()[0], "sections": sections}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        if "bandwidth" in sections:
+            result["bandwidth"] = bandwidth(device, args.quick)
+        if "training" in sections:
+            result["training"] = training(device, args.quick, str(Path(tmp) / "cache"))
+        if "demo" in sections:
+            result["demo"] = demo(device, args.quick, Path(tmp))
+    result["targets"] = targets(result)
+    result["total_s"] = time.perf_counter() - t0
+    result["load_after"] = os.getloadavg()[0]
+    print(table(result))
+    print(f"total {result['total_s']:.0f} s" + ("" if result["total_s"] < 300 or args.quick else
+                                               " (over the 5-minute budget)"))
+    path = args.json if args.json is not None else str(
+        ROOT / "benchmarks" / "results" / f"gpu_check_{slug(name) if device.type == 'cuda' else 'cpu'}.json")
+    if path:
+        sys.path.insert(0, str(ROOT))
+        from lightning_fastdata._util import atomic_write_text
+
+        atomic_write_text(path, json.dumps(result, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

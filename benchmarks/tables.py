@@ -305,7 +305,8 @@ def other_cpu(results: Path) -> str:
                 f"{_pct(ins['overhead_frac']['noop_callback'])})")
     rows = [
         ["`chunked` / `device` throughput", ratios,
-         "`python benchmarks/gpu_check.py --device cpu --only throughput --epochs 5`"],
+         "`python benchmarks/gpu_check.py --device cpu --only throughput --epochs 5` (the GPU check before its "
+         "rework; `benchmarks/chunked_bandwidth.py` now measures the chunked source)"],
         [f"full training augmentation ({aug['pipeline']}), batched on the {aug['device']} vs per-sample "
          "torchvision v2 at its best workers", augs, "`python benchmarks/augment_throughput.py --repeats 3`"],
         [f"`FastDataCallback` cost per step, side by side with and without it (median over {lin['processes']} "
@@ -322,10 +323,23 @@ def other_cpu(results: Path) -> str:
 # --------------------------------------------------------------------------- GPU check
 
 
+def _sibling(name: str) -> Any:
+    """A benchmark script next to this one, imported by path (its renderers live with it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_tables_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @table("gpu_check_h200", "gpu_check_h200.json")
 def gpu_check_h200(results: Path) -> str:
     """ResNet-18 steps/s and GPU idle time per loader, and loader-only throughput, on one H200."""
     d = _load(results, "gpu_check_h200.json")
+    if d.get("format") == 2:  # benchmarks/gpu_check.py since the bf16/Lightning rework
+        return "\n".join([_sibling("gpu_check").table(d), "", f"{d['name']}, {d['cores']} CPU cores; whole check "
+                          f"{d['total_s']:.0f} s.", "", _source("gpu_check_h200.json", quick=d["quick"])])
     resnet = d["resnet"]
 
     def order(r: dict[str, Any]) -> tuple[int, int]:
@@ -357,6 +371,42 @@ def gpu_check_h200(results: Path) -> str:
     copy = max(t["pinned_copy_GBps"] for t in d["throughput"])
     lines += ["", f"{d['name']}; a plain pinned host-to-device copy ran at {copy:.0f} GB/s.", "",
               _source("gpu_check_h200.json")]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- augmentation ops
+
+
+@table("augment_ops", "augment_ops.json")
+def augment_ops(results: Path) -> str:
+    """Dispatched ops and CPU ms per augmentation call, this checkout against earlier commits."""
+    d = _load(results, "augment_ops.json")
+    m = d["meta"]
+    revs = ", ".join(f"{v['label']} = `{v['rev']}`" for v in d["versions"] if v["rev"])
+    return "\n".join([_sibling("augment_ops").table(d["versions"]), "",
+                      f"{m['cpus']} CPUs, torch {m['torch']}, 1 torch thread, {m['repeats']} timed calls per case, "
+                      f"load average {m['load_before']:.2f} before and {m['load_after']:.2f} after. {revs}. "
+                      "Op counts are exact; the times come from a shared, busy machine (noisy: the minimum is "
+                      "the least disturbed figure).", "",
+                      _source("augment_ops.json", quick=m["quick"])])
+
+
+@table("chunked_bandwidth_cpu", "chunked_bandwidth_cpu.json")
+def chunked_bandwidth_cpu(results: Path) -> str:
+    """Host gather and end-to-end GB/s of the chunked source per row size and fill threads (CPU)."""
+    d = _load(results, "chunked_bandwidth_cpu.json")
+    threads = [str(t) for t in d["threads"]]
+    rows = []
+    for r in d["results"]:
+        rows.append([r["rows"], f"{r['chunk_rows']:,} rows ({r['chunk_MB']:.0f} MB)", f"{r['memcpy_GBps']:.1f}",
+                     *(f"{r['gather_GBps'][t]:.1f}" for t in threads),
+                     *(f"{r['end_to_end_GBps'][t]:.1f}" for t in threads)])
+    head = ["rows", "chunk", "memcpy", *(f"gather, {t} thread{'s' if t != '1' else ''}" for t in threads),
+            *(f"end to end, {t} fill thread{'s' if t != '1' else ''}" for t in threads)]
+    lines = _rows(head, ["---", "---", *(["---:"] * (1 + 2 * len(threads)))], rows)
+    lines += ["", f"GB/s, best of {d['repeats']}; {d['cpus']} CPUs, torch {d['torch']}, load average "
+              f"{d['load_before']:.2f} before and {d['load_after']:.2f} after (a shared machine: noisy).", "",
+              _source("chunked_bandwidth_cpu.json", quick=d["quick"])]
     return "\n".join(lines)
 
 

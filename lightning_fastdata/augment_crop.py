@@ -65,41 +65,50 @@ def _row_grid(m: int, plane: int, size: tuple[int, ...], strides: list[int], dev
     return grid
 
 
+def _corners_host(offset: torch.Tensor, mirrored: torch.Tensor | None, n: int, sample_stride: int, last_span: int,
+                  strides: list[int]) -> np.ndarray:
+    """Flat start of each sample's window in the padded source (CPU): sample ``i`` of
+    ``mirrored`` (the flipped samples) reads copy ``n + i`` at the mirrored column."""
+    off = offset.numpy().astype(np.int64)
+    sample = np.arange(n, dtype=np.int64)
+    if mirrored is not None and mirrored.numel():
+        rows = mirrored.numpy()
+        sample[rows] = np.arange(n, n + rows.size, dtype=np.int64)
+        off[rows, -1] = last_span - off[rows, -1]
+    return sample * sample_stride + off @ np.asarray(strides, dtype=np.int64)
+
+
 def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: int,
                 flip: torch.Tensor | None = None, padding: Sequence[int] | None = None,
                 fill: float = 0) -> torch.Tensor:
     """Per-sample crop of ``pad(x)`` at ``offset`` (N, sd), of ``size``, optionally mirrored
     along the last axis; ``x`` is ``(N, ..., *spatial)`` with ``sd`` spatial dims.
 
-    Each output row of the last axis is one contiguous run of source memory, so the crop
-    is a single ``index_select`` of rows from an overlapping "every start offset" view of
-    the source (a memcpy per row), instead of a per-pixel gather with an int64 index per
+    Each output row of the last axis is one contiguous run of the padded source, so the
+    crop is a single ``index_select`` of rows from an overlapping "every start offset" view
+    of the source (a memcpy per row), instead of a per-pixel gather with an int64 index per
     output element (5-7x slower on the CPU). Mirrored samples read from mirrored copies of
-    their source at the mirrored column: ``flip(crop(p, o)) == crop(flip(p), W - w - o)``.
+    their padded source at the mirrored column: ``flip(crop(p, o)) == crop(flip(p), W - w - o)``.
     The output is bit-identical to ``F.pad`` and slicing.
     """
-    n = x.shape[0]
-    mid = x.shape[1:x.ndim - sd]
-    pad = tuple(padding) if padding is not None else (0,) * sd
-    size = tuple(size)
-    if n == 0:
-        return x.new_empty((0, *mid, *size))
-    if host_shortcuts(x.device):
-        return _window_crop_host(x, offset, size, sd, flip, pad, fill)
-    return _window_crop_device(x, offset, size, sd, flip, pad, fill)
-
-
-def _window_crop_device(x: torch.Tensor, offset: torch.Tensor, size: tuple[int, ...], sd: int,
-                        flip: torch.Tensor | None, pad: tuple[int, ...], fill: float) -> torch.Tensor:
-    """``window_crop`` without host reads: a padded (and mirrored) copy of every sample, read
-    with device-side row starts (the sample count and shapes are known on the host)."""
     n = x.shape[0]
     spatial = tuple(x.shape[x.ndim - sd:])
     mid = x.shape[1:x.ndim - sd]
     m = math.prod(mid)
+    pad = tuple(padding) if padding is not None else (0,) * sd
     padded = tuple(s + 2 * p for s, p in zip(spatial, pad, strict=True))
+    size = tuple(size)
     dev = x.device
-    src_n = 2 * n if flip is not None else n  # no nonzero: it would make the host wait for the device
+    if n == 0:
+        return x.new_empty((0, *mid, *size))
+    src_n, fidx = n, None
+    if flip is not None:
+        if host_shortcuts(dev):
+            # Only the mirrored samples get a mirrored copy.
+            fidx = torch.from_numpy(np.flatnonzero(flip.numpy()))
+            src_n = n + fidx.numel()
+        else:
+            src_n = 2 * n  # no nonzero: it would make the host wait for the device
     plain = x.reshape(n, m, *spatial)
     inner = (slice(None), slice(None), *(slice(p, p + s) for p, s in zip(pad, spatial, strict=True)))
     if src_n == n and not any(pad) and plain.is_contiguous():
@@ -113,162 +122,32 @@ def _window_crop_device(x: torch.Tensor, offset: torch.Tensor, size: tuple[int, 
                 src.fill_(fill)
         src[:n][inner].copy_(plain)
         if src_n > n:
-            src[n:][inner].copy_(plain.flip(-1))
-    sample = torch.arange(n, device=dev)
-    last = offset[:, -1]
-    if flip is not None:
-        sample = sample + flip.long() * n
-        last = torch.where(flip, (padded[-1] - size[-1]) - last, last)
+            mirrored = plain if fidx is None else plain.index_select(0, fidx)
+            src[n:][inner].copy_(mirrored.flip(-1))
     # Start of every output row: the sample's window corner plus a fixed grid over the folded
     # lead/channel dim and every spatial dim but the last.
     strides = [math.prod(padded[d + 1:]) for d in range(sd)]
     plane = math.prod(padded)
-    corner = sample * (m * plane) + last
-    for d in range(sd - 1):
-        corner = corner + offset[:, d] * strides[d]
-    starts = corner.view(n, 1) + _row_grid(m, plane, size[:-1], strides[:-1], dev).view(1, -1)
+    grid = _row_grid(m, plane, size[:-1], strides[:-1], dev).view(1, -1)
+    if host_shortcuts(dev):
+        # A few hundred integers: numpy on the host, instead of a dozen tensor dispatches.
+        corner_np = _corners_host(offset, None if flip is None else fidx, n, m * plane, padded[-1] - size[-1],
+                                  strides)
+        starts = torch.from_numpy(corner_np).view(n, 1) + grid
+    else:
+        sample = torch.arange(n, device=dev)
+        last = offset[:, -1]
+        if flip is not None:
+            sample = sample + flip.long() * n
+            last = torch.where(flip, (padded[-1] - size[-1]) - last, last)
+        corner = sample * (m * plane) + last
+        for d in range(sd - 1):
+            corner = corner + offset[:, d] * strides[d]
+        starts = corner.view(n, 1) + grid
     flat = src.reshape(-1)
     runs = flat.as_strided((flat.numel() - size[-1] + 1, size[-1]), (1, 1))
     out = torch.index_select(runs, 0, starts.reshape(-1))
     return out.view(n, *mid, *size)
-
-
-#: Same-width integer dtypes: the padding fix-up multiplies and adds bit patterns, exact for any dtype.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-_HOST_GRIDS: dict[tuple, np.ndarray] = {}
-
-
-def _host_grid(m: int, plane: int, size: tuple[int, ...], strides: list[int]) -> np.ndarray:
-    """Offsets of a window's rows from its corner: flat (m * prod(size),) int64, cached per geometry."""
-    key = (m, plane, size, tuple(strides))
-    grid = _HOST_GRIDS.get(key)
-    if grid is None:
-        grid = (np.arange(m, dtype=np.int64) * plane).reshape(m, *[1] * len(size))
-        for d, (extent, stride) in enumerate(zip(size, strides, strict=True)):
-            shape = [1] * (len(size) + 1)
-            shape[d + 1] = extent
-            grid = grid + (np.arange(extent, dtype=np.int64) * stride).reshape(shape)
-        if len(_HOST_GRIDS) > 64:
-            _HOST_GRIDS.clear()
-        grid = _HOST_GRIDS[key] = grid.reshape(-1)
-    return grid
-
-
-def _window_crop_host(x: torch.Tensor, offset: torch.Tensor, size: tuple[int, ...], sd: int,
-                      flip: torch.Tensor | None, pad: tuple[int, ...], fill: float) -> torch.Tensor:
-    """``window_crop`` on the CPU without building a padded copy.
-
-    The source is one flat work buffer ``[margin | x | mirrored samples | margin]``: the
-    input copied once (a memcpy) and only the flipped samples mirrored. Row starts come
-    from the unpadded layout (numpy on the host, a cached grid plus one corner per
-    sample); where the window sticks out of the input, the rows read whatever memory lies
-    there (the margins keep every read inside the buffer) and one pass afterwards keeps the
-    valid pixels and writes the fill elsewhere: ``bits * keep + fill_bits * (1 - keep)`` on
-    a same-width integer view, exact for every dtype (NaN and -0.0 included).
-    """
-    n = x.shape[0]
-    spatial = tuple(x.shape[x.ndim - sd:])
-    mid = x.shape[1:x.ndim - sd]
-    m, plane, w = math.prod(mid), math.prod(spatial), size[-1]
-    strides = [math.prod(spatial[d + 1:]) for d in range(sd)]
-    off = offset.cpu().numpy().astype(np.int64)
-    fidx = None if flip is None else np.flatnonzero(flip.cpu().numpy())
-    k = 0 if fidx is None else fidx.size
-    if not k and not any(pad) and x.is_contiguous():
-        src, margin = x.reshape(-1), 0  # nothing to pad or mirror: read the input in place
-    else:
-        margin = sum(p * s for p, s in zip(pad, strides, strict=True))  # the farthest read outside
-        body = n * m * plane
-        src = scratch(2 * margin + body + k * m * plane, x.dtype, x.device)
-        src[margin:margin + body].view(x.shape).copy_(x)
-        if k:
-            mirrored = x.index_select(0, torch.from_numpy(fidx)).flip(-1)
-            src[margin + body:margin + body + k * m * plane].view(mirrored.shape).copy_(mirrored)
-    # Unpadded window corners; flipped samples read their mirrored copy at the mirrored column.
-    corner = off - np.asarray(pad, dtype=np.int64)
-    sample = np.arange(n, dtype=np.int64)
-    if k:
-        sample[fidx] = n + np.arange(k, dtype=np.int64)
-        corner[fidx, -1] = spatial[-1] + pad[-1] - w - off[fidx, -1]
-    first = margin + sample * (m * plane) + corner @ np.asarray(strides, dtype=np.int64)
-    starts = first.reshape(n, 1) + _host_grid(m, plane, size[:-1], strides[:-1])
-    runs = src.as_strided((src.numel() - w + 1, w), (1, 1))
-    out = torch.index_select(runs, 0, torch.from_numpy(starts.reshape(-1))).view(n, *mid, *size)
-    if any(pad):
-        _fill_outside(out.view(n, m, -1), _valid_pixels(corner, spatial, size, pad), src[:1].fill_(fill))
-    return out
-
-
-#: Largest table of validity masks kept per crop geometry (one mask per possible corner).
-_MASK_TABLE_BYTES = 8 << 20
-_MASK_TABLES: dict[tuple, tuple[torch.Tensor, np.ndarray]] = {}
-
-
-def _valid_pixels(corner: np.ndarray, spatial: tuple[int, ...], size: tuple[int, ...],
-                  pad: tuple[int, ...]) -> torch.Tensor:
-    """Which window pixels lie inside the input, per sample: uint8 (N, prod(size)), or (N, w)
-    for wide rows when only columns can stick out (repeated along every row).
-
-    Small geometries (CIFAR: 81 corners x 1 KB) look the masks up in a table of every
-    possible corner (one row copy per sample); numpy's broadcasting of a (h, 1) & (1, w)
-    mask runs in short inner loops, several times slower.
-    """
-    n, sd = corner.shape
-    padded_dims = [d for d in range(sd) if pad[d]]
-    counts = [spatial[d] - size[d] + 2 * pad[d] + 1 for d in padded_dims]
-    if len(padded_dims) == 1 and padded_dims[0] == sd - 1 and size[-1] >= 64:
-        coord = corner[:, -1:] + np.arange(size[-1], dtype=np.int64)
-        return torch.from_numpy(((coord >= 0) & (coord < spatial[-1])).view(np.uint8))
-    if math.prod(counts) * math.prod(size) <= _MASK_TABLE_BYTES:
-        key = (spatial, size, pad)
-        table = _MASK_TABLES.get(key)
-        if table is None:
-            grids = np.meshgrid(*[np.arange(c, dtype=np.int64) - pad[d] for c, d in zip(counts, padded_dims,
-                                                                                      strict=True)], indexing="ij")
-            every = np.zeros((math.prod(counts), sd), dtype=np.int64)
-            for g, d in zip(grids, padded_dims, strict=True):
-                every[:, d] = g.reshape(-1)
-            if len(_MASK_TABLES) > 16:
-                _MASK_TABLES.clear()
-            table = _MASK_TABLES[key] = _masks(every, spatial, size, pad)
-        slot = np.ravel_multi_index(tuple(corner[:, d] + pad[d] for d in padded_dims), counts)
-        return table.index_select(0, torch.from_numpy(slot))
-    return _masks(corner, spatial, size, pad)
-
-
-def _masks(corner: np.ndarray, spatial: tuple[int, ...], size: tuple[int, ...], pad: tuple[int, ...]) -> torch.Tensor:
-    """The validity masks of windows at ``corner`` (N, sd): uint8 (N, prod(size)), by broadcasting."""
-    n = corner.shape[0]
-    keep = np.ones((n, *[1] * len(size)), dtype=bool)
-    for d, (p, s, c) in enumerate(zip(pad, spatial, size, strict=True)):
-        if p:
-            coord = corner[:, d:d + 1] + np.arange(c, dtype=np.int64)
-            shape = [n] + [1] * len(size)
-            shape[d + 1] = c
-            keep = keep & ((coord >= 0) & (coord < s)).reshape(shape)
-    full = np.empty((n, *size), dtype=bool)
-    full[...] = keep
-    return torch.from_numpy(full.reshape(n, -1).view(np.uint8))
-
-
-def _fill_outside(out: torch.Tensor, keep: torch.Tensor, fill: torch.Tensor) -> None:
-    """Set the pixels of ``out`` (N, M, P) where ``keep`` is 0 to the value of ``fill`` (one
-    element), bit for bit: ``bits * keep + fill_bits * (1 - keep)`` on a same-width integer
-    view. ``keep`` (uint8) is (N, P), shared by the M planes of a sample (a whole plane
-    streams several times faster than a short pattern broadcast over every row), or (N, w)
-    for wide rows, repeated along each row."""
-    n, m, p = out.shape
-    bits_dtype = _BITS[out.element_size()]
-    bits = out.view(bits_dtype)
-    width = keep.shape[1]
-    if width != p:
-        bits = bits.view(n, m * (p // width), width)
-    mask = keep.view(n, 1, width)
-    bits.mul_(mask)  # integer promotion keeps the view's dtype
-    fill_bits = int(fill.view(bits_dtype).item())
-    if fill_bits:
-        bits.add_((1 - mask).to(bits_dtype).mul_(fill_bits))
 
 
 class RandomCrop(BatchTransform):

@@ -190,3 +190,85 @@ def test_loader_throughput_rejects_unknown_shape(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "unknown shape(s) ['mnist']" in proc.stderr
+
+
+# --------------------------------------------------------------------------- augmentation ops
+
+
+def test_augment_ops_counts_and_times_this_checkout(tmp_path):
+    out = tmp_path / "ops.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "augment_ops.py"), "--quick", "--repeats", "1",
+                           "--no-baselines", "--json", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (version,) = res["versions"]
+    assert version["label"] == "this checkout" and version["results"]["api"] == "keys"
+    cases = version["results"]["cases"]
+    assert set(cases) == set(res["cases"]) and len(cases) == 4
+    for r in cases.values():
+        assert 0 < r["kernels"] <= r["dispatched_ops"] <= r["aten_ops"] and r["ms_min"] > 0
+        assert r["accelerator"]["kernels"] > 0
+    # Normalize adds one pass (an addcmul converting uint8 inside it), on either path.
+    cf, cfn = cases["crop+flip | cifar"], cases["crop+flip+normalize | cifar"]
+    assert cfn["kernels"] == cf["kernels"] + 1
+    assert cfn["accelerator"]["kernels"] == cf["accelerator"]["kernels"] + 1
+    assert "| crop+flip | cifar |" in proc.stdout
+    tables = _module("tables")
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "augment_ops.json").write_text(out.read_text())
+    assert "quick smoke-test run" in tables.augment_ops(tmp_path / "res")
+
+
+# --------------------------------------------------------------------------- GPU check
+
+
+@pytest.mark.slow
+def test_gpu_check_quick_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+               PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--quick", "--device", "cpu",
+                           "--sections", "training,bandwidth", "--json", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["format"] == 2 and res["device"] == "cpu" and res["quick"] is True
+    for case in res["training"]["cases"].values():
+        assert len(case["runs"]) == 4 and set(case["workers_measured"]) == {"0", "1"}
+        for r in case["runs"].values():
+            assert r["steps_s"] > 0 and 0 <= r["data_wait_frac"] < 1 and r["gpu_idle_frac"] is None
+            assert r["steps_per_epoch"] == 3
+    assert {r["rows"] for r in res["bandwidth"]["results"]} == {"3 KB rows (3x32x32)", "150 KB rows (3x224x224)"}
+    for r in res["bandwidth"]["results"]:
+        assert set(r["gather_GBps"]) == set(r["end_to_end_GBps"]) == {"1", "2", "4"} and "h2d_GBps" not in r
+    assert all(t["met"] is None for t in res["targets"])  # nothing GPU-only was measured
+    assert "| resnet18-cifar | fastdata device |" in proc.stdout
+
+
+def _gpu_result() -> dict:
+    run = {"steps_s": 500.0, "gpu_idle_frac": 0.004, "data_wait_frac": 0.01, "verdict": "compute-bound"}
+    return {"format": 2, "device": "cuda", "name": "NVIDIA H200", "quick": False, "cores": 16, "total_s": 250.0,
+            "training": {"cases": {"resnet18-cifar": {"runs": {
+                "fastdata device": run, "fastdata chunked": {**run, "gpu_idle_frac": 0.02},
+                "DataLoader, best workers (8)": {**run, "gpu_idle_frac": 0.3, "data_wait_frac": 0.4}}}}},
+            "bandwidth": {"results": [
+                {"rows": "3 KB rows (3x32x32)", "gather_GBps": {"1": 9.0}, "h2d_GBps": 50.0,
+                 "end_to_end_GBps": {"1": 45.0}, "end_to_end_over_h2d": 0.9},
+                {"rows": "150 KB rows (3x224x224)", "gather_GBps": {"1": 9.0}, "h2d_GBps": 50.0,
+                 "end_to_end_GBps": {"1": 20.0}, "end_to_end_over_h2d": 0.4}]},
+            "demo": {"fastdata": {"data_wait_frac": 0.03}}}
+
+
+def test_gpu_check_targets_and_table_from_a_gpu_result(tables, tmp_path):
+    gpu_check = _module("gpu_check")
+    res = _gpu_result()
+    res["targets"] = gpu_check.targets(res)
+    assert [t["met"] for t in res["targets"]] == [True, False, True, False, True]
+    assert gpu_check.slug("NVIDIA H200") == "h200" and gpu_check.slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
+    (tmp_path / "gpu_check_h200.json").write_text(json.dumps(res))
+    text = tables.gpu_check_h200(tmp_path)
+    assert "| resnet18-cifar | fastdata chunked | 500.0 | 2.0% | 1.0% | compute-bound |" in text
+    assert "| ResNet-18 GPU idle with chunked < 1% | 2.0% | NO |" in text
+    assert "| 150 KB rows (3x224x224) | 9.0 | 50.0 | 20.0 | 40% |" in text
