@@ -210,7 +210,7 @@ def table(versions: list[dict[str, Any]]) -> str:
                 continue
             acc = r.get("accelerator")
             cells.append(f"{r['dispatched_ops']} ops ({r['kernels']} touch data); "
-                         + (f"accelerator path {acc['kernels']} kernels; " if acc else "")
+                         + (f"accelerator path {acc['kernels']} kernels; " if acc else "one path on every device; ")
                          + f"{r['ms_min']:.2f} ms min, {r['ms_median']:.2f} median")
         lines.append(f"| {pipeline} | {data} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
