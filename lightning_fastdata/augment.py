@@ -57,6 +57,7 @@ from lightning_fastdata.augment_intensity import (
     ScaleIntensityRange,
 )
 from lightning_fastdata.augment_resample import RandomAffine, RandomResizedCrop, RandomRotation
+from lightning_fastdata.augment_resize import CenterCrop, Resize, resize_center_crop
 from lightning_fastdata.keys import SampleKeys
 
 
@@ -84,8 +85,9 @@ class Compose(BatchTransform):
     """Apply ops in order; the op at position i draws from ``keys.child(i)``.
 
     A ``RandomCrop`` followed by a horizontal flip runs as one pass, with the same draws
-    and output as the two ops in sequence. Callables that are not augment ops are applied
-    to each image field's tensor.
+    and output as the two ops in sequence; so does ``Resize(int)`` followed by
+    ``CenterCrop`` on a list of images on an accelerator (resampled straight to the crop).
+    Callables that are not augment ops are applied to each image field's tensor.
 
     Args:
         transforms: The ops, applied first to last.
@@ -100,12 +102,18 @@ class Compose(BatchTransform):
         while i < len(ops):
             op = ops[i]
             nxt = ops[i + 1] if i + 1 < len(ops) else None
-            if type(op) is RandomCrop and _fusable_flip(nxt):
+            if type(op) is RandomCrop and _fusable_flip(nxt) and not batch.ragged:
                 crop = op.make_params(batch.replace(keys=keys.child(i)))
                 flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))  # type: ignore[union-attr]
                 batch = op.apply_batch(batch, **crop, flip=flip["flip"][:, 0])
                 i += 2
                 continue
+            if type(op) is Resize and len(op.size) == 1 and type(nxt) is CenterCrop:
+                fused = resize_center_crop(op, nxt, batch)
+                if fused is not None:
+                    batch = fused
+                    i += 2
+                    continue
             batch = _run(op, batch, keys.child(i))
             i += 1
         return batch.replace(keys=keys)
@@ -167,6 +175,7 @@ class RandomApply(BatchTransform):
 __all__ = [
     "Batch",
     "BatchTransform",
+    "CenterCrop",
     "ColorJitter",
     "Compose",
     "GaussianNoise",
@@ -185,6 +194,7 @@ __all__ = [
     "RandomScaleIntensity",
     "RandomShiftIntensity",
     "RandomVerticalFlip",
+    "Resize",
     "SampleKeys",
     "ScaleIntensityRange",
     "ToDtype",

@@ -21,6 +21,7 @@ from lightning_fastdata.augment_base import (
     scratch,
     spatial_arg,
 )
+from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter, take
 
 
 def _fill_border(src: torch.Tensor, py: int, px: int, h: int, w: int, fill: float) -> None:
@@ -137,45 +138,100 @@ class RandomCrop(BatchTransform):
 
     Works on images (N, C, H, W) and volumes (N, C, D, H, W). The same window is cut from
     every image and mask field; masks are padded with 0, images with ``fill``; ``other``
-    fields pass through.
+    fields pass through. With ``pad_if_needed`` a sample smaller than ``size`` (after
+    ``padding``) along an axis is padded on both sides by the difference first, as
+    torchvision's ``RandomCrop(pad_if_needed=True)`` does; a list of samples of varying
+    sizes (a ragged batch) then becomes one batch tensor, each sample padded as it needs.
 
     Args:
         size: Output size: an int for every spatial dim, (h, w) or (d, h, w).
         padding: Added on both sides of every spatial dim (int), or per dim.
         fill: Constant for the images' padding.
+        pad_if_needed: Pad samples smaller than ``size`` instead of refusing them.
     """
 
-    def __init__(self, size: int | Sequence[int], padding: int | Sequence[int] = 0, fill: float = 0) -> None:
+    lists = True
+
+    def __init__(self, size: int | Sequence[int], padding: int | Sequence[int] = 0, fill: float = 0,
+                 pad_if_needed: bool = False) -> None:
         self.size = spatial_arg(size, "size", lowest=1)
         self.padding = spatial_arg(padding, "padding")
         self.fill = fill
+        self.pad_if_needed = bool(pad_if_needed)
 
-    def _geometry(self, batch: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        sd = batch.spatial_dims
+    def _pads(self, sd: int, spatial: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(size, padding on each side, padded size) per dim for one input size."""
         size = per_dim(self.size, sd, "size", "RandomCrop")
         pad = per_dim(self.padding, sd, "padding", "RandomCrop")
-        padded = tuple(s + 2 * p for s, p in zip(batch.spatial_size, pad, strict=True))
-        if any(c > s for c, s in zip(size, padded, strict=True)):
-            raise ValueError(f"RandomCrop size {size} is larger than the padded input {padded}; "
-                             "lower size or add padding")
+        if self.pad_if_needed:
+            # torchvision adds the shortfall on BOTH sides (the crop then starts anywhere in it).
+            pad = tuple(p + max(0, c - (s + 2 * p)) for p, c, s in zip(pad, size, spatial, strict=True))
+        padded = tuple(s + 2 * p for s, p in zip(spatial, pad, strict=True))
         return size, pad, padded
 
+    def _geometry(self, batch: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        size, pad, padded = self._pads(batch.spatial_dims, batch.spatial_size)
+        if any(c > s for c, s in zip(size, padded, strict=True)):
+            raise ValueError(f"RandomCrop size {size} is larger than the padded input {padded}; "
+                             "lower size, add padding or set pad_if_needed=True")
+        return size, pad, padded
+
+    def _list_geometry(self, batch: Batch) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """A ragged batch: the size, and each sample's padding and padded size."""
+        sd = batch.spatial_dims
+        pads, padded = [], []
+        for i, spatial in enumerate(batch.spatial_size):
+            size, pad, full = self._pads(sd, spatial)
+            if any(c > s for c, s in zip(size, full, strict=True)):
+                raise ValueError(f"RandomCrop size {size} is larger than sample {i} padded, {full}; lower size, "
+                                 "add padding or set pad_if_needed=True")
+            pads.append(pad)
+            padded.append(full)
+        return size, pads, padded
+
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """``offset``: each sample's window corner in the padded input, int64 (N, spatial dims)."""
+        """``offset``: each sample's window corner in its padded input, int64 (N, spatial dims)."""
+        if batch.ragged:
+            size, _, padded = self._list_geometry(batch)
+            # As ``keys.integers`` draws for a batch tensor, with each sample's own range.
+            u = batch.keys.uniform(0, batch.spatial_dims, dtype=torch.float64)
+            highs = torch.tensor([[p - s + 1 for p, s in zip(full, size, strict=True)] for full in padded],
+                                 dtype=torch.float64).to(u.device, non_blocking=True)
+            return {"offset": torch.minimum(torch.floor(u * highs), highs - 1).long()}
         size, _, padded = self._geometry(batch)
         return {"offset": batch.keys.integers(0, [p - s + 1 for p, s in zip(padded, size, strict=True)])}
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None) -> Batch:
         """Cut the windows at ``offset``; ``flip`` (bool (N,)) also mirrors along the last axis
         in the same pass (``Compose`` fuses a following horizontal flip this way)."""
-        size, pad, _ = self._geometry(batch)
         sd = batch.spatial_dims
+        if batch.ragged:
+            return self._apply_list(batch, offset, flip)
+        size, pad, _ = self._geometry(batch)
 
         def crop(fill: float):
             # The padding is written into the crop's source buffer, not materialised by F.pad.
             return lambda x: keep_format(window_crop(x, offset, size, sd, flip, pad, fill), x)
 
         return batch.map(image=crop(self.fill), mask=crop(0))
+
+    def _apply_list(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None) -> Batch:
+        """Each group of samples is placed, padded, on one canvas; the windows are cut from it."""
+        size, pads, padded = self._list_geometry(batch)
+        sd, n = batch.spatial_dims, len(batch)
+        out = {}
+        for name in batch.names("image", "mask"):
+            xs = batch.fields[name]
+            lead_shape(xs, sd, name)
+            fill = self.fill if batch.kinds[name] == "image" else 0
+            parts = []
+            for rows in groups(padded):
+                src = canvas(xs, rows, sd, fill, place=pads,
+                             extent=[max(padded[r][d] for r in rows) for d in range(sd)])
+                sub = take({"offset": offset} | ({} if flip is None else {"flip": flip}), rows, n)
+                parts.append((rows, window_crop(src, sub["offset"], size, sd, sub.get("flip"))))
+            out[name] = scatter(parts, n)
+        return batch.replace(out)
 
 
 class RandomCropByLabel(BatchTransform):

@@ -208,8 +208,15 @@ def test_fields_must_be_aligned_and_batches_well_formed():
         A.Batch({"image": img}, keys=keys(5))
     with pytest.raises(ValueError, match="give spatial_dims"):
         A.Batch({"image": torch.zeros(2, 2, 3, 8, 8, 8)})
-    with pytest.raises(TypeError, match="ragged"):
-        A.Batch({"image": [torch.zeros(3, 8, 8)]}, spatial_dims=2)
+    two = [torch.zeros(3, 8, 8), torch.zeros(3, 6, 9)]
+    with pytest.raises(TypeError, match="all tensors or all lists"):
+        A.Batch({"image": two, "mask": torch.zeros(2, 8, 8)}, {"image": "image", "mask": "mask"})
+    with pytest.raises(ValueError, match="at sample 1"):
+        A.Batch({"image": two, "mask": [torch.zeros(8, 8), torch.zeros(9, 6)]}, {"image": "image", "mask": "mask"})
+    with pytest.raises(ValueError, match=r"image\[1\]' \(image\) has shape \(6, 9\)"):
+        A.Batch({"image": [torch.zeros(3, 8, 8), torch.zeros(6, 9)]})
+    with pytest.raises(ValueError, match="empty list"):
+        A.Batch({"image": []}, spatial_dims=2)
     with pytest.raises(ValueError, match="spatial_dims=2"):
         A.RandomCrop(4)(torch.zeros(2, 8, 8))
     with pytest.raises(TypeError, match="SampleKeys, not a torch.Generator"):
@@ -217,6 +224,9 @@ def test_fields_must_be_aligned_and_batches_well_formed():
     b = A.Batch({"image": img, "label": torch.zeros(2, 8, 8)}, {"label": "mask", "image": "image"})
     assert b.spatial_dims == 2 and b.spatial_size == (8, 8) and b.names("mask") == ["label"]
     assert torch.equal(b.keys.index, torch.arange(2)) and "label: mask" in repr(b)
+    r = A.Batch({"image": two, "label": [torch.zeros(8, 8), torch.zeros(6, 9)]}, {"label": "mask", "image": "image"})
+    assert r.ragged and not b.ragged and r.spatial_dims == 2 and r.spatial_size == [(8, 8), (6, 9)]
+    assert "image: image list of 2 (3-D)" in repr(r) and len(r) == 2
 
 
 # ----------------------------------------------------------------------------- Compose and RandomApply
