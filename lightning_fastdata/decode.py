@@ -14,6 +14,7 @@ drops it.
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -104,7 +105,9 @@ def _check(data: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _bad(i: int, t: torch.Tensor, err: Exception, indices: Sequence[int] | None) -> ValueError:
     name = f"sample {i} of the batch" + (f" (dataset index {int(indices[i])})" if indices is not None else "")
     head = bytes(t[:4].tolist()).hex()
-    return ValueError(f"decode_jpegs: {name} is not a decodable JPEG ({t.numel()} bytes, starting {head}): {err}; "
+    # torchvision prefixes its C++ source location: keep the decoder's own words.
+    why = re.sub(r"^.*?\.cpp:\d+, ", "", str(err).splitlines()[0] if str(err) else repr(err))
+    return ValueError(f"decode_jpegs: {name} is not a decodable JPEG ({t.numel()} bytes, starting {head}): {why}; "
                       "rebuild the cache if the file changed, or check the source yields JPEG bytes")
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _augment_util import both_paths, images, keys, within_binomial  # noqa: F401
+from _augment_util import both_paths, images, keys, ragged, ragged_masks, within_binomial  # noqa: F401
 from torchvision.transforms.v2 import functional as TF
 
 from lightning_fastdata import augment as A
@@ -194,6 +194,64 @@ def test_random_crop_refuses_bad_sizes():
         A.RandomCrop((4, 4, 4))(torch.zeros(2, 1, 8, 8))
     with pytest.raises(ValueError, match="size"):
         A.RandomCrop(0)
+
+
+def _tv_random_crop(x, offset, size, padding, fill):
+    """torchvision's RandomCrop(size, padding, pad_if_needed=True) at a given corner in the padded input."""
+    h, w = x.shape[-2:]
+    ph = padding + max(0, size[0] - (h + 2 * padding))
+    pw = padding + max(0, size[1] - (w + 2 * padding))
+    padded = TF.pad(x, [pw, ph, pw, ph], fill=fill)
+    return TF.crop(padded, int(offset[0]), int(offset[1]), size[0], size[1])
+
+
+@pytest.mark.parametrize("padding", [0, 3])
+@pytest.mark.usefixtures("both_paths")
+def test_random_crop_pad_if_needed_of_a_list_equals_torchvision(padding):
+    """Each sample is padded as it needs (torchvision adds the shortfall on both sides) and
+    cropped at its own offset; masks follow with 0 padding; the list becomes a batch."""
+    from torchvision import tv_tensors
+
+    xs, ms = ragged(), ragged_masks()
+    batch = A.Batch({"image": xs, "mask": ms}, {"image": "image", "mask": "mask"}, keys(len(xs), seed=2))
+    op = A.RandomCrop((30, 36), padding=padding, fill=7, pad_if_needed=True)
+    p = op.draw(batch)
+    out = op.apply(batch, **p)
+    assert out.fields["image"].shape == (len(xs), 3, 30, 36) and out.fields["mask"].shape == (len(xs), 30, 36)
+    for i, x in enumerate(xs):
+        high = [s + 2 * padding + 2 * max(0, c - (s + 2 * padding)) - c for s, c in zip(x.shape[1:], (30, 36))]
+        assert 0 <= p["offset"][i, 0] <= high[0] and 0 <= p["offset"][i, 1] <= high[1]
+        assert torch.equal(out.fields["image"][i], _tv_random_crop(x, p["offset"][i], (30, 36), padding, 7)), i
+        ref = _tv_random_crop(tv_tensors.Mask(ms[i]), p["offset"][i], (30, 36), padding, 0)
+        assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
+    assert torch.equal(op(batch).fields["image"], out.fields["image"])
+
+
+def test_random_crop_of_a_list_draws_as_a_batch_tensor():
+    same = ragged([(20, 24)] * 5)
+    op = A.RandomCrop(12, padding=2)
+    assert torch.equal(op.draw(same, keys(5))["offset"], op.draw(torch.stack(same), keys(5))["offset"])
+    assert torch.equal(op(same, keys(5)), op(torch.stack(same), keys(5)))
+    # 3-D volumes of varying sizes, padded where needed
+    vols = [torch.randn(1, d, h, w, generator=torch.Generator().manual_seed(d)) for d, h, w in [(5, 6, 7), (3, 9, 4), (8, 8, 8)]]
+    out = A.RandomCrop(6, pad_if_needed=True)(vols)
+    assert out.shape == (3, 1, 6, 6, 6)
+    with pytest.raises(ValueError, match=r"sample 0 padded, \(5, 6, 7\)"):
+        A.RandomCrop(6)(vols)
+
+
+def test_random_crop_pad_if_needed_on_a_batch_tensor_equals_torchvision():
+    import torchvision.transforms.v2 as T
+
+    x = images(4, shape=(3, 10, 30))
+    op = A.RandomCrop((16, 20), pad_if_needed=True, fill=3)
+    p = op.draw(x, keys(4, seed=6))
+    out = op.apply(x, **p)
+    for i in range(4):
+        assert torch.equal(out[i], _tv_random_crop(x[i], p["offset"][i], (16, 20), 0, 3))
+    torch.manual_seed(0)
+    tv = T.RandomCrop((16, 20), pad_if_needed=True).make_params([x[0]])
+    assert tv["padding"] == [0, 6, 0, 6] and op.draw(x, keys(4))["offset"][:, 0].max() <= 12
 
 
 # ----------------------------------------------------------------------------- RandomCropByLabel
