@@ -219,7 +219,8 @@ def test_random_crop_pad_if_needed_of_a_list_equals_torchvision(padding):
     out = op.apply(batch, **p)
     assert out.fields["image"].shape == (len(xs), 3, 30, 36) and out.fields["mask"].shape == (len(xs), 30, 36)
     for i, x in enumerate(xs):
-        high = [s + 2 * padding + 2 * max(0, c - (s + 2 * padding)) - c for s, c in zip(x.shape[1:], (30, 36))]
+        spans = zip(x.shape[1:], (30, 36), strict=True)
+        high = [s + 2 * padding + 2 * max(0, c - s - 2 * padding) - c for s, c in spans]
         assert 0 <= p["offset"][i, 0] <= high[0] and 0 <= p["offset"][i, 1] <= high[1]
         assert torch.equal(out.fields["image"][i], _tv_random_crop(x, p["offset"][i], (30, 36), padding, 7)), i
         ref = _tv_random_crop(tv_tensors.Mask(ms[i]), p["offset"][i], (30, 36), padding, 0)
@@ -233,7 +234,8 @@ def test_random_crop_of_a_list_draws_as_a_batch_tensor():
     assert torch.equal(op.draw(same, keys(5))["offset"], op.draw(torch.stack(same), keys(5))["offset"])
     assert torch.equal(op(same, keys(5)), op(torch.stack(same), keys(5)))
     # 3-D volumes of varying sizes, padded where needed
-    vols = [torch.randn(1, d, h, w, generator=torch.Generator().manual_seed(d)) for d, h, w in [(5, 6, 7), (3, 9, 4), (8, 8, 8)]]
+    sizes = [(5, 6, 7), (3, 9, 4), (8, 8, 8)]
+    vols = [torch.randn(1, d, h, w, generator=torch.Generator().manual_seed(d)) for d, h, w in sizes]
     out = A.RandomCrop(6, pad_if_needed=True)(vols)
     assert out.shape == (3, 1, 6, 6, 6)
     with pytest.raises(ValueError, match=r"sample 0 padded, \(5, 6, 7\)"):
