@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata.placement import HostSource, Source, as_tensor
+from lightning_fastdata.ragged import RaggedArray, RaggedBatch, gather_host
 from lightning_fastdata.seeding import derive_seed
 from lightning_fastdata.store import unflatten
 
@@ -176,7 +177,10 @@ class FastBatch:
     Iterating or indexing a ``FastBatch`` reaches the sample structure (``x, y = batch``).
 
     Attributes:
-        leaves: One batched value per field (tensors; raw sources may hold other objects).
+        leaves: One batched value per field: tensors, a
+            :class:`~lightning_fastdata.ragged.RaggedBatch` for a ragged field (values on
+            the batch's device, offsets and shapes on the CPU); raw sources may hold other
+            objects.
         spec: The sample structure (see :func:`~lightning_fastdata.store.flatten`).
         names: Field names, one per leaf ("0", "1", or dict keys).
         indices: Global sample indices, int64, on the batch's device.
@@ -209,8 +213,11 @@ class FastBatch:
         return unflatten(self.spec, self.leaves)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> FastBatch:
-        """The same batch with every tensor on ``device`` (Lightning's transfer calls this)."""
-        leaves = [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        """The same batch with every tensor on ``device`` (Lightning's transfer calls this).
+
+        A ragged field moves its values only; its offsets and shapes stay on the CPU.
+        """
+        leaves = [v.to(device, non_blocking=non_blocking) if isinstance(v, (torch.Tensor, RaggedBatch)) else v
                   for v in self.leaves]
         return FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
                          self.epoch, self.index, self.prepared)
@@ -433,6 +440,7 @@ def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -
                 current = torch.cuda.current_stream(device)
                 current.wait_event(event)  # the device waits, not the host
                 for t in (*item.leaves, item.indices):
+                    t = t.values if isinstance(t, RaggedBatch) else t
                     if isinstance(t, torch.Tensor) and t.is_cuda:
                         # Made on the side stream, used on this one: the allocator must not
                         # reuse the memory before this stream's work on it is done.
@@ -444,20 +452,25 @@ def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -
 
 
 class _HostBatches(Dataset):
-    """Map-style view of host fields whose ``__getitems__`` gathers a whole batch (no per-sample collate)."""
+    """Map-style view of host fields whose ``__getitems__`` gathers a whole batch (no per-sample collate).
+
+    A ragged field's rows come as a :class:`~lightning_fastdata.ragged.RaggedBatch`, which
+    the identity collate passes through (and DataLoader's pinning pins its values).
+    """
 
     def __init__(self, source: HostSource) -> None:
         self.arrays = source.arrays
 
     def __len__(self) -> int:
-        return int(self.arrays[0].shape[0])
+        return len(self.arrays[0])
 
     def __getitem__(self, i: int) -> Any:
         return self.__getitems__([i])
 
-    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor | RaggedBatch]:
         idx = np.asarray(indices, dtype=np.int64)
-        return [as_tensor(np.ascontiguousarray(a[idx])) for a in self.arrays]
+        return [gather_host(a, idx) if isinstance(a, RaggedArray) else as_tensor(np.ascontiguousarray(a[idx]))
+                for a in self.arrays]
 
 
 class _Transformed(Dataset):
