@@ -73,6 +73,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sides", type=int, nargs=2, default=(300, 500), help="smallest and largest side, px")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--epochs", type=int, default=2, help="timed epochs per pipeline")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads of the main process (default: torch's default, the cores)")
     p.add_argument("--device", default="cpu", help="cpu or cuda: where batches are decoded and augmented")
     p.add_argument("--workers", type=int, nargs="*", default=None,
                    help="plain DataLoader num_workers to try (default 0, 1, 2, 4, ... cores)")
@@ -187,8 +189,11 @@ def run_fastdata(root: Path, work: Path, args: argparse.Namespace, device: torch
             print(f"  {name}: {rate:.0f} images/s (setup {built:.1f} s)", flush=True)
             if strategy == "device" and max_side == 256:
                 out["profile_device_256"] = profile(dm, device, sync)
+            if strategy == "device":
+                # The training split's cache folder: its .npy files and manifest, as on disk.
+                store = dm.stores["train"]
+                out[f"store_bytes/{max_side or 'none'}"] = folder_bytes(store.path) if store.path else store.nbytes
             dm.teardown("fit")
-        out[f"store_bytes/{max_side or 'none'}"] = folder_bytes(work / f"cache-{max_side or 'none'}")
     return out
 
 
@@ -199,7 +204,9 @@ def profile(dm: Photos, device: torch.device, sync: Callable[[], None]) -> dict[
     gather = decode = aug = 0.0
     names = None
     op = augment()
-    it = iter(dm.train_dataloader())
+    loader = dm.train_dataloader()
+    loader.prepare, loader.ahead = None, 0  # raw batches, gathered in this thread
+    it = iter(loader)
     t = time.perf_counter()
     for batch in it:
         sync()
@@ -303,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--device cuda asked for, but torch.cuda.is_available() is False")
     if args.workers is None:
         args.workers = worker_candidates(cpu_count())
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # torchvision 0.29's codec notice (plain)
     work = args.data_dir or Path(tempfile.mkdtemp(prefix="fastdata-jpeg-"))
     started = time.time()
@@ -311,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
         else (platform.processor() or platform.machine()),
         "cpu_count": cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-        "decoder": backend(), "quick": args.quick, "batch_size": args.batch_size, "epochs": args.epochs,
+        "decoder": backend(), "quick": args.quick, "torch_threads": torch.get_num_threads(),
+        "batch_size": args.batch_size, "epochs": args.epochs,
         "sides": list(args.sides), "loadavg_before": [round(v, 2) for v in os.getloadavg()],
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }}

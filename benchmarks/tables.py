@@ -374,6 +374,46 @@ def bench_example(results: Path) -> str:
                       _source("bench_example.json")])
 
 
+# --------------------------------------------------------------------------- JPEG storage and decode
+
+
+@table("jpeg", "jpeg.json")
+def jpeg(results: Path) -> str:
+    """Store bytes vs the JPEG files and their decoded size; loader-only images/s of the plain
+    DataLoader, the workers and device strategies at max_side None and 256 (and DALI on a GPU)."""
+    d = _load(results, "jpeg.json")
+    m, s = d["meta"], d["sizes"]
+    where = f"{m['device']} ({m['device_name']}, {m['cpu_count']} CPUs, {m.get('torch_threads', '?')} torch threads)"
+    head = (f"{s['images']:,} generated JPEG photos, sides {m['sides'][0]}-{m['sides'][1]} px, on {where}, "
+            f"batch {m['batch_size']}, decoder {m['decoder']}; every pipeline ends in uint8 224x224 crops "
+            "(RandomResizedCrop 224 + horizontal flip, no model).")
+    mb = 1e6
+    sizes = [["JPEG files", f"{s['jpeg_files'] / mb:,.1f}", "1.00x"],
+             ["decoded (3 x H x W)", f"{s['decoded'] / mb:,.1f}", f"{s['decoded'] / s['jpeg_files']:.2f}x"]]
+    for key in ("none", "256"):
+        b = d["fastdata"].get(f"store_bytes/{key}")
+        if b is not None:
+            sizes.append([f"store, `max_side={key}`", f"{b / mb:,.1f}", f"{b / s['jpeg_files']:.2f}x"])
+    lines = [head, "", *_rows(["bytes", "MB", "vs the JPEG files"], ["---", "---:", "---:"], sizes), ""]
+    plain = d["plain"]
+    rows = [[f"plain `DataLoader`: PIL decode + torchvision per sample (best of num_workers "
+             f"{', '.join(plain['per_workers'])}: {plain['best_workers']})", _rate(plain["images_per_s"]), "1.00x"]]
+    for name, v in d["fastdata"].items():
+        if isinstance(v, dict) and "images_per_s" in v:
+            strategy, side = name.split("/")
+            rows.append([f"`{strategy}` strategy, `max_side={side}`", _rate(v["images_per_s"]),
+                         _ratio(v["images_per_s"] / plain["images_per_s"])])
+    if d.get("dali"):
+        rows.append(["DALI (GPU decode + crop)", _rate(d["dali"]["images_per_s"]),
+                     _ratio(d["dali"]["images_per_s"] / plain["images_per_s"])])
+    lines += _rows(["pipeline", "images/s", "vs plain"], ["---", "---:", "---:"], rows)
+    prof = d["fastdata"].get("profile_device_256")
+    if prof:
+        lines += ["", f"Time of the `device` strategy at `max_side=256`: gather {prof['gather']:.0%}, decode "
+                      f"{prof['decode']:.0%}, augment {prof['augment']:.0%}."]
+    return "\n".join([*lines, "", _source("jpeg.json", quick=m["quick"])])
+
+
 # --------------------------------------------------------------------------- rewriting
 
 

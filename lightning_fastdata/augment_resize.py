@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from lightning_fastdata._pool import default_threads, map_runs
 from lightning_fastdata.augment_base import Batch, BatchTransform, host_shortcuts, keep_format, spatial_arg
 from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter
 from lightning_fastdata.augment_resample import interpolate_image, nearest_resize, resize_window
@@ -88,8 +89,10 @@ class Resize(BatchTransform):
             if batch.kinds[name] == "mask":
                 ys = [nearest_resize(x, s) for x, s in zip(xs, sizes, strict=True)]
             elif host_shortcuts(xs[0].device):
-                # torch's own kernel per image (uint8 natively on the CPU): faster there than batched taps.
-                ys = [interpolate_image(x, s, self.antialias) for x, s in zip(xs, sizes, strict=True)]
+                # torch's own kernel per image (uint8 natively on the CPU): faster there than batched
+                # taps; the images shared among the CPU pool's threads.
+                ys = map_runs(lambda rows, xs=xs: [interpolate_image(xs[i], sizes[i], self.antialias) for i in rows],
+                              [h * w for h, w in sizes], default_threads())
             else:
                 ys = self._batched(xs, sizes)
             out[name] = torch.stack(ys) if stack else ys

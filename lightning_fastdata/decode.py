@@ -15,20 +15,15 @@ drops it.
 from __future__ import annotations
 
 import re
-import threading
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from lightning_fastdata._util import cpu_count
+from lightning_fastdata._pool import default_threads, map_runs
 
 #: The start of the warning torchvision >= 0.29 gives on every decode/encode call.
 TORCHVISION_DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
 
 
 def _torchvision_decoder() -> Callable[..., object] | None:
@@ -77,14 +72,6 @@ def _decoder() -> tuple[str, Callable[..., object]]:
     return _DECODER[0]
 
 
-def _pool(threads: int) -> ThreadPoolExecutor:
-    with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
-        if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="fastdata-jpeg")
-        return pool
-
-
 def _check(data: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(data, torch.Tensor) or not isinstance(data, Sequence):
         raise TypeError(f"decode_jpegs takes a list of 1-D uint8 tensors (one JPEG each), got {type(data).__name__}")
@@ -122,8 +109,9 @@ def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device | str = "cpu
     Args:
         data: One 1-D uint8 tensor per sample (the file's bytes), on any device.
         device: Where the images are wanted (and decoded).
-        threads: CPU decoding threads; default the CPUs this process may use. 1 decodes in
-            the calling thread.
+        threads: CPU decoding threads; default the calling thread's torch intra-op budget
+            (``torch.get_num_threads()``: the cores, 1 in a DataLoader worker). 1 decodes
+            in the calling thread.
         indices: The samples' dataset indices, named in errors (default: their positions).
 
     Returns:
@@ -159,20 +147,9 @@ def _decode_one(decode: Callable[..., object], items: list[torch.Tensor], i: int
 
 def _decode_cpu(decode: Callable[..., object], items: list[torch.Tensor], threads: int | None,
                 indices: Sequence[int] | None) -> list[torch.Tensor]:
-    n = len(items)
-    workers = min(n, cpu_count() if threads is None else threads)
-    if workers <= 1:
-        return [_decode_one(decode, items, i, indices) for i in range(n)]
     # Contiguous runs of about equal bytes, one per thread: one task each, not one per image.
-    total = sum(t.numel() for t in items)
-    runs, start, done = [], 0, 0
-    for i, t in enumerate(items):
-        done += t.numel()
-        if done * workers >= total * (len(runs) + 1) or i == n - 1:
-            runs.append(range(start, i + 1))
-            start = i + 1
-    parts = _pool(workers).map(lambda r: [_decode_one(decode, items, i, indices) for i in r], runs)
-    return [img for part in parts for img in part]
+    return map_runs(lambda run: [_decode_one(decode, items, i, indices) for i in run], [t.numel() for t in items],
+                    default_threads() if threads is None else threads)
 
 
 def _decode_cuda(decode: Callable[..., object], items: list[torch.Tensor], device: torch.device,

@@ -190,3 +190,30 @@ def test_loader_throughput_rejects_unknown_shape(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "unknown shape(s) ['mnist']" in proc.stderr
+
+
+@pytest.mark.slow
+def test_jpeg_benchmark_quick_writes_json(tmp_path):
+    out = tmp_path / "jpeg.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "jpeg.py"), "--quick", "--images", "40", "--batch-size", "8",
+         "--workers", "0", "--threads", "1", "--data-dir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["meta"]["quick"] is True and res["sizes"]["images"] == 40
+    assert {"workers/none", "device/none", "workers/256", "device/256"} <= set(res["fastdata"])
+    assert all(res["fastdata"][k]["images_per_s"] > 0 for k in ("workers/none", "device/256"))
+    assert res["plain"]["best_workers"] == 0 and res["plain"]["images_per_s"] > 0
+    # files within max_side are stored as they are: the store is the JPEG bytes plus a little
+    assert 1.0 <= res["fastdata"]["store_bytes/none"] / res["sizes"]["jpeg_files"] < 1.1
+    assert res["fastdata"]["store_bytes/256"] < res["fastdata"]["store_bytes/none"]
+    assert abs(sum(v for k, v in res["fastdata"]["profile_device_256"].items() if k != "seconds") - 1) < 0.01
+    assert "| fastdata device, max_side=256 |" in proc.stdout
+    tables = _module("tables")
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "jpeg.json").write_text(out.read_text())
+    text = tables.jpeg(tmp_path / "res")
+    assert "`device` strategy, `max_side=256`" in text and "quick smoke-test run" in text
