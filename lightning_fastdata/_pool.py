@@ -3,8 +3,8 @@
 Python threads run in parallel where the work releases the GIL: libjpeg-turbo's decode and
 torch's kernels do. But a torch kernel called from a plain thread starts its own OpenMP team
 of ``torch.get_num_threads()`` threads, so P pool threads would run P x T threads on T
-cores (measured here: 6x slower than one thread). The pool's threads therefore run torch
-single-threaded. torch only has a process-wide setter (``torch.set_num_threads`` sets the
+cores (measured here: 4x slower than single-threaded workers). The pool's threads
+therefore run torch single-threaded. torch only has a process-wide setter (``torch.set_num_threads`` sets the
 calling thread's OpenMP and MKL counts, and a global default that threads started later
 adopt): each pool thread sets 1 when it starts, and the thread that made the pool puts the
 global default back as it was once they have all started.
