@@ -190,6 +190,8 @@ def test_unet3d_keeps_any_input_size_and_its_dice_loss_is_zero_when_exact():
     exact = torch.nn.functional.one_hot(target, 2).movedim(-1, 1).float() * 100
     assert float(soft_dice_loss(exact, target)) < 1e-3
     assert float(soft_dice_loss(-exact, target)) > 0.99
+    with pytest.raises(ValueError, match="norm must be"):
+        UNet3D(norm="group")
 
 
 def _volumes_cli(tmp_path: Path, *extra: str, config: Path = VOLUMES / "config.yaml") -> subprocess.CompletedProcess:
@@ -234,7 +236,7 @@ def test_volumes_example_learns_far_above_chance_on_the_cpu(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(conf))
     proc = _volumes_cli(tmp_path, "--data.cases", "18", "--data.val_cases", "2", "--data.size", "32",
-                        "--data.batch_size", "4", "--model.lr", "0.01", "--trainer.max_epochs", "12",
+                        "--data.batch_size", "4", "--trainer.max_epochs", "12",
                         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
                         "--trainer.logger.save_dir", str(tmp_path / "logs"), config=config)
     assert proc.returncode == 0, proc.stdout + proc.stderr
