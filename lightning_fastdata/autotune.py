@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from lightning_fastdata import _lightning as door
 from lightning_fastdata import distributed as D
-from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata._util import batch_len
 from lightning_fastdata.plan import Plan, Resources, loader_params
 
@@ -91,8 +91,9 @@ def shutdown_workers(loader: Any) -> None:
     close = getattr(loader, "close", None)
     if callable(close):
         close()
-    elif loader is not None:
-        shutdown_dataloader_workers(loader)
+        return
+    if isinstance(loader, torch.utils.data.DataLoader):
+        door.shutdown_dataloader_workers(loader)
 
 
 def _len_or(loader: Any, default: int) -> int:

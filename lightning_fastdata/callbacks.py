@@ -24,14 +24,20 @@ from typing import Any
 import lightning as L
 import psutil
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fastdata.profiler import DataWaitProfiler, _restore, loader_info
+from lightning_fastdata import _lightning as door
+from lightning_fastdata.profiler import FALLBACK_HOOKS, UNUSED_STEP_HOOKS, DataWaitProfiler
+from lightning_fastdata.report import loader_info
 from lightning_fastdata.seeding import install_worker_seeding, randomness_repeats, set_worker_epoch
 
 
-class FastDataCallback(DataWaitProfiler):
+class FastDataCallback(Callback):
     """Keeps an eye on the input pipeline: profiling, ``set_epoch``, plan and memory logging.
+
+    The profiling is a :class:`DataWaitProfiler` (``callback.profiler``) that this callback
+    drives; :meth:`report` is its report.
 
     Args:
         profile: Time data wait vs compute for every step and report at the end of ``fit``.
@@ -43,20 +49,23 @@ class FastDataCallback(DataWaitProfiler):
         seed_workers: Install per-(seed, rank, worker, epoch) seeding into DataLoaders that
             lack it (the user's ``worker_init_fn`` still runs, after ours), and warn once
             when a loader's randomness would repeat.
+        trace: Write a Chrome trace of a window of training steps to this path (see
+            :class:`DataWaitProfiler`); the report names the file. None: no trace.
+        trace_steps: ``(first, count)``: the traced training steps, counted from 0 over the fit.
         clock: Time source in seconds (tests inject a fake one).
     """
 
     def __init__(self, profile: bool = True, replay_steps: int = 0, replay_batches: int = 4,
                  print_report: bool = True, set_epoch: bool = True, log_memory: bool = True,
-                 seed_workers: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__(clock=clock, replay_steps=replay_steps, replay_batches=replay_batches,
-                         print_report=print_report)
+                 seed_workers: bool = True, trace: str | os.PathLike | None = None,
+                 trace_steps: tuple[int, int] = (5, 20), clock: Callable[[], float] = time.perf_counter) -> None:
+        self.profiler = DataWaitProfiler(clock=clock, replay_steps=replay_steps, replay_batches=replay_batches,
+                                         print_report=print_report, trace=trace, trace_steps=trace_steps)
         for name, value in (("profile", profile), ("set_epoch", set_epoch), ("log_memory", log_memory),
                             ("seed_workers", seed_workers)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
-        if not profile:
-            self._disable()
+        self.profile = profile
         self.set_epoch, self.log_memory = set_epoch, log_memory
         self.set_epoch_calls: list[tuple[str, int]] = []
         self.memory: list[dict[str, float]] = []
@@ -64,12 +73,21 @@ class FastDataCallback(DataWaitProfiler):
         self.seed_workers = seed_workers
         self.seeded_loaders = 0
         self._warned_repeats = False
-        self._process_dataloader: tuple[Any, Any] | None = None
+        self._process_dataloader: door.Site | None = None
+        # Nothing of this callback runs per step (see DataWaitProfiler): Lightning does not even dispatch those hooks.
+        door.hide_hooks(self, UNUSED_STEP_HOOKS, FastDataCallback)
+
+    def report(self) -> dict[str, Any]:
+        """The profiler's report (see :meth:`DataWaitProfiler.report`)."""
+        return self.profiler.report()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Install worker seeding, then the profiler's timers."""
         self._install_worker_seeding(trainer)
-        super().setup(trainer, pl_module, stage)
+        if self.profile:
+            self.profiler.setup(trainer, pl_module, stage)
+            if self.profiler.timing == "hooks":
+                door.show_hooks(self, FALLBACK_HOOKS)  # the profiler's fallback needs the batch hooks
 
     def _install_worker_seeding(self, trainer: L.Trainer) -> None:
         """Give DataLoader workers distinct, reproducible seeds where the loader has none of ours.
@@ -80,20 +98,18 @@ class FastDataCallback(DataWaitProfiler):
         ``strategy.process_dataloader``, so it is wrapped here (and restored in
         :meth:`teardown`).
         """
-        if not self.seed_workers:
+        if not self.seed_workers or self._process_dataloader is not None:
             return
-        strategy = trainer.strategy
-        if self._process_dataloader is not None:
-            return
-        original = strategy.process_dataloader
-        self._process_dataloader = (strategy, original)
+        site = door.site(trainer.strategy, "process_dataloader")
+        original = site.original
+        self._process_dataloader = site
 
         def process_dataloader(dataloader: object) -> object:
             dataloader = original(dataloader)
             self._seed_loader(trainer, dataloader)
             return dataloader
 
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+        trainer.strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
 
     def _seed_loader(self, trainer: L.Trainer, dataloader: object) -> None:
         seed = _base_seed(trainer)
@@ -106,14 +122,17 @@ class FastDataCallback(DataWaitProfiler):
             rank_zero_warn(f"lightning_fastdata: {reason}")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Restore everything :meth:`setup` wrapped."""
         if self._process_dataloader is not None:
-            strategy, original = self._process_dataloader
-            _restore(strategy, "process_dataloader", original)
+            door.restore(self._process_dataloader)
             self._process_dataloader = None
-        super().teardown(trainer, pl_module, stage)
+        if self.profile:
+            self.profiler.teardown(trainer, pl_module, stage)
+        door.hide_hooks(self, FALLBACK_HOOKS, FastDataCallback)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
+        if self.profile:
+            self.profiler.on_train_start(trainer, pl_module)
         if not self._plan_logged:
             self._plan_logged = True
             params = _plan_params(trainer)
@@ -121,7 +140,8 @@ class FastDataCallback(DataWaitProfiler):
                 logger.log_hyperparams(params)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
+        if self.profile:
+            self.profiler.on_train_epoch_start(trainer, pl_module)
         if self.set_epoch:
             epoch = trainer.fit_loop.epoch_progress.current.processed
             loaders = _flatten(trainer.train_dataloader) + _flatten(trainer.val_dataloaders)
@@ -134,7 +154,8 @@ class FastDataCallback(DataWaitProfiler):
                 set_worker_epoch(dl, trainer.fit_loop.epoch_progress.current.processed)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
+        if self.profile:
+            self.profiler.on_train_epoch_end(trainer, pl_module)
         if self.log_memory:
             device = trainer.strategy.root_device
             if device.type == "cuda":
@@ -143,9 +164,54 @@ class FastDataCallback(DataWaitProfiler):
             else:
                 mem = {"fastdata/host_rss_mb": psutil.Process().memory_info().rss / 2**20}
             self.memory.append(mem)
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            try:
+                step = door.batches_that_stepped(trainer)
+            except door.DoorClosed:
+                step = trainer.global_step  # the profiler has warned already
             for logger in trainer.loggers:
                 logger.log_metrics(mem, step=step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profile:
+            self.profiler.on_train_end(trainer, pl_module)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profile:
+            self.profiler.on_fit_end(trainer, pl_module)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profile:
+            self.profiler.on_validation_start(trainer, pl_module)
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profile:
+            self.profiler.on_validation_epoch_start(trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profile:
+            self.profiler.on_validation_epoch_end(trainer, pl_module)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profile:
+            self.profiler.on_validation_end(trainer, pl_module)
+
+    # The profiler's fallback timing (public batch hooks); hidden from Lightning otherwise.
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.profiler.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.profiler.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.profiler.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.profiler.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
 
 def _flatten(loaders: Any) -> list[Any]:

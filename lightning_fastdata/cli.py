@@ -12,6 +12,11 @@
     feasible strategy on the configured data module: a table, a recommendation that
     is the fastest measured strategy, and JSON with ``--json``.
 
+``fastdata cache list|prune [--cache-dir DIR]``
+    The on-disk caches (namespace, split, fingerprint, samples, size, created, last
+    used, in use); ``prune`` removes the ones no process uses (``--older-than 30d``,
+    ``--keep-latest``, ``--dry-run``) and says what it frees.
+
 ``plan`` and ``bench`` read the same config as ``fit`` (``model`` may be left out);
 ``trainer.accelerator`` and ``trainer.devices`` say which device and how many local
 ranks the plan is for. A bad config fails with jsonargparse's message naming the key
@@ -20,10 +25,13 @@ and exit code 2, never a traceback from deep inside.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import re
 import statistics
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -35,9 +43,11 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning_utilities.core import rank_zero as rank_zero_module
 
+from lightning_fastdata import _lightning as door
 from lightning_fastdata._util import atomic_write_text, fmt_bytes
 from lightning_fastdata.autotune import shutdown_workers, time_loader
-from lightning_fastdata.datamodule import OptimizedDataModule
+from lightning_fastdata.caches import CacheInfo, list_caches, prune_caches
+from lightning_fastdata.datamodule import OptimizedDataModule, default_cache_dir
 from lightning_fastdata.plan import Plan, PlanError, Resources, decide
 
 #: Strategies ``bench`` tries, in the order of the table.
@@ -45,6 +55,7 @@ BENCH_STRATEGIES = ("device", "chunked", "workers")
 _TOOLS = ("plan", "bench")
 _LIGHTNING = ("fit", "validate", "test", "predict")
 _USAGE = """usage: fastdata {fit,validate,test,predict,plan,bench} --config CONFIG.yaml [overrides]
+       fastdata cache {list,prune} [--cache-dir DIR] [options]
 
 Keep accelerators fed: a LightningCLI over any LightningModule and any
 OptimizedDataModule subclass (both by class_path), plus two tools.
@@ -55,6 +66,10 @@ subcommands:
                                  parameters with their reasons; trains nothing
   bench                          loader-only samples/s of every feasible strategy on
                                  your data module; table, recommendation, --json out
+  cache list                     the on-disk caches: namespace, split, fingerprint,
+                                 samples, size, created, last used, in use
+  cache prune                    remove caches no process uses (--older-than 30d,
+                                 --keep-latest, --dry-run); prints what it frees
 """
 
 # Errors raised by user classes' __init__ for a bad value (OptimizedDataModule's checks
@@ -106,7 +121,7 @@ class FastDataCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except _CONFIG_ERRORS as e:
-            _fail(self._parser(self.subcommand), e)
+            _fail(door.cli_parser(self, self.subcommand), e)
 
 
 class _ToolCLI(LightningCLI):
@@ -392,6 +407,92 @@ def _run_tool(tool: str, args: list[str]) -> None:
         cli.parser.error(str(e))
 
 
+# --------------------------------------------------------------------------- fastdata cache
+
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> float:
+    """``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"2w"`` (a bare number is days) in seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"--older-than takes a number and a unit s, m, h, d or w (e.g. 30d), got {text!r}")
+    return float(m[1]) * _AGE_UNITS[m[2] or "d"]
+
+
+def _cache_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastdata cache", description="List or prune the on-disk caches.")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{list,prune}")
+    for name, text in (("list", "every cache: namespace, split, fingerprint, samples, size, created, last used"),
+                       ("prune", "remove caches no process uses (an open or building cache is never removed)")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--cache-dir", default=None,
+                       help="the cache directory (default: $LIGHTNING_FASTDATA_CACHE or ~/.cache/lightning_fastdata)")
+        if name == "prune":
+            p.add_argument("--older-than", type=parse_age, default=None, metavar="AGE",
+                           help="only caches last used longer ago than AGE (30d, 12h, 90m, 2w)")
+            p.add_argument("--keep-latest", action="store_true",
+                           help="keep the most recently used cache of every namespace and split")
+            p.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    return parser
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit} ago"
+    return "just now"
+
+
+def _rows(caches: list[CacheInfo], now: float) -> list[list[str]]:
+    return [[c.namespace or "-", c.split, c.fingerprint, "-" if c.samples is None else f"{c.samples:,}",
+             fmt_bytes(c.nbytes), c.created[:16].replace("T", " ") or "-",
+             f"{_when(c.last_used)} ({_ago(now - c.last_used)})",
+             "in use" if c.in_use else (c.problem or "")] for c in caches]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+                     for r in [header, *rows])
+
+
+def run_cache(args: list[str], out: Any = None, now: float | None = None) -> list[Any]:
+    """``fastdata cache list|prune``: print the caches, or prune them; return what was listed or done."""
+    out = out or sys.stdout
+    ns = _cache_parser().parse_args(args)
+    cache_dir = ns.cache_dir or default_cache_dir()
+    now = time.time() if now is None else now
+    header = ["namespace", "split", "fingerprint", "samples", "size", "created", "last used", "state"]
+    if ns.action == "list":
+        caches = list_caches(cache_dir)
+        total = sum(c.nbytes for c in caches)
+        print(f"{len(caches)} cache(s) in {cache_dir}, {fmt_bytes(total)}", file=out)
+        if caches:
+            print(_table(header, _rows(caches, now)), file=out)
+        return caches
+    results = prune_caches(cache_dir, older_than_s=ns.older_than, keep_latest=ns.keep_latest, dry_run=ns.dry_run,
+                           now=now)
+    rows = []
+    for r in results:
+        (row,) = _rows([r.cache], now)
+        verb = "removed" if r.removed else ("would remove" if r.reason == "would be removed" else r.reason)
+        rows.append([verb, *row[:-1]])
+    if rows:
+        print(_table(["action", *header[:-1]], rows), file=out)
+    done = [r for r in results if r.removed or (ns.dry_run and r.reason == "would be removed")]
+    freed = sum(r.cache.nbytes for r in done)
+    verb = "would free" if ns.dry_run else "freed"
+    print(f"{verb} {fmt_bytes(freed)}: {len(done)} cache(s) {'to remove' if ns.dry_run else 'removed'}, "
+          f"{len(results) - len(done)} kept, in {cache_dir}", file=out)
+    return results
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``fastdata`` console script."""
     # We hand LightningCLI the arguments after our own subcommand dispatch on purpose.
@@ -402,13 +503,15 @@ def main(args: list[str] | None = None) -> None:
         if not argv:
             raise SystemExit(2)
         return
-    if argv[0] in _TOOLS:
+    if argv[0] == "cache":
+        run_cache(argv[1:])
+    elif argv[0] in _TOOLS:
         _run_tool(argv[0], argv[1:])
     elif argv[0] in _LIGHTNING or argv[0].startswith("-"):
         FastDataCLI(args=argv)
     else:
         print(_USAGE, file=sys.stderr)
-        print(f"fastdata: error: unknown subcommand {argv[0]!r}; choose one of {_LIGHTNING + _TOOLS}",
+        print(f"fastdata: error: unknown subcommand {argv[0]!r}; choose one of {_LIGHTNING + _TOOLS + ('cache',)}",
               file=sys.stderr)
         raise SystemExit(2)
 

@@ -40,9 +40,6 @@ from lightning_fastdata.store import (
     StoreError,
     UnstorableSampleError,
     build_store,
-    fingerprint,
-    open_store,
-    store_dir,
     unflatten,
 )
 
@@ -55,6 +52,13 @@ _KINDS = ("image", "mask", "other")
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 #: What a checkpoint's data plan must match for a resumed run to see the batches it would have seen.
 _PLAN_KEYS = ("strategy", "chunk_mode", "seed", "shuffle", "drop_last", "batch_size", "fingerprints")
+#: Init arguments that never change what is cached (loader, placement and augmentation
+#: settings; cache_key has its own place in the fingerprint).
+_NOT_CACHED = frozenset({
+    "batch_size", "eval_batch_size", "strategy", "vram_fraction", "shared_memory", "num_workers", "pin_memory",
+    "prefetch_factor", "persistent_workers", "shuffle", "drop_last", "seed", "train_augment", "eval_augment",
+    "device", "progress", "cache_dir", "cache_key", "augment_field", "store", "field_kinds", "augment_ahead",
+})
 
 
 def default_cache_dir() -> str:
@@ -229,13 +233,55 @@ class OptimizedDataModule(L.LightningDataModule):
                 out[split] = src
         return out
 
-    def _store_for(self, split: str, src: Any) -> Store | None:
-        """Build or open the split's store; ``None`` when its samples cannot be stored."""
+    def source_files(self, split: str) -> list[str] | None:
+        """The files ``source(split)`` reads, for the cache's fingerprint (path, size and mtime of each).
+
+        ``None`` (the default) discovers them on the dataset: ``ImageFolder``/``DatasetFolder``
+        ``samples``, and any attribute listing existing paths. Override it when the source
+        reads files it does not list (an index file, a directory it globs lazily), or
+        return ``[]`` when stat-ing millions of files at every ``setup`` is too slow.
+        """
+        return None
+
+    def _cache_config(self) -> dict[str, Any]:
+        """Init arguments that can change what is cached: those of every class up to this one, minus loader settings.
+
+        Values come from ``hparams`` when saved there, else from the attribute of the
+        same name (the usual ``self.root = root``); an argument kept under another name
+        is not seen (its effect on the outputs still shows in the probes).
+        """
+        import inspect
+
+        hparams = dict(getattr(self, "hparams", None) or {})
+        config: dict[str, Any] = {}
+        for cls in type(self).__mro__:
+            init = vars(cls).get("__init__")
+            if init is not None:
+                for p in list(inspect.signature(init).parameters.values())[1:]:
+                    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in _NOT_CACHED or p.name in config:
+                        continue
+                    if p.name in hparams:
+                        config[p.name] = hparams[p.name]
+                    elif p.name in vars(self):
+                        config[p.name] = vars(self)[p.name]
+            if cls is OptimizedDataModule:
+                break
+        return config
+
+    def _store_for(self, split: str, src: Any, verify: bool = True) -> Store | None:
+        """Build or open the split's store; ``None`` when its samples cannot be stored.
+
+        The cache lives in ``cache_dir/<module.QualName>/``, so two projects never share or
+        evict each other's caches; its fingerprint covers the code of ``static_transform``
+        and of the source's class, :meth:`_cache_config` and :meth:`source_files`.
+        """
         if not self.use_store:
             return None
         try:
-            return build_store(src, self.static_transform, self.cache_dir, name=split,
-                               cache_key=self.cache_key, progress=self.progress and D.local_rank() == 0)
+            return build_store(src, self.static_transform, self.cache_dir, name=split, cache_key=self.cache_key,
+                               progress=self.progress and D.local_rank() == 0, verify=verify,
+                               namespace=f"{type(self).__module__}.{type(self).__qualname__}",
+                               config=self._cache_config(), files=self.source_files(split), warn=rank_zero_warn)
         except UnstorableSampleError as e:
             rank_zero_warn(f"lightning_fastdata: the '{split}' split cannot be stored ({e}); "
                            "loading it per sample in DataLoader workers instead")
@@ -247,17 +293,8 @@ class OptimizedDataModule(L.LightningDataModule):
             self._store_for(split, src)
 
     def _open(self, split: str, src: Any) -> Store | None:
-        if not self.use_store:
-            return None
-        try:
-            fp = fingerprint(src, self.static_transform, self.cache_key)[0]
-            return open_store(store_dir(self.cache_dir, split, fp), verify=False, expect_fingerprint=fp)
-        except UnstorableSampleError:
-            return None
-        except (FileNotFoundError, RuntimeError):
-            # Not built yet (setup without prepare_data) or invalid: build it; concurrent
-            # builders are safe (unique temporaries, atomic rename).
-            return self._store_for(split, src)
+        """Open the split's store (sizes checked, no checksum pass); build it under the lock if missing."""
+        return self._store_for(split, src, verify=False)
 
     def open_splits(self, splits: tuple[str, ...] = SPLITS) -> dict[str, Store]:
         """Open (or build) the store of each split with a source; returns the open stores.

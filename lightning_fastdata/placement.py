@@ -186,10 +186,12 @@ class Source:
     """One split's fields somewhere, read by sample index.
 
     Attributes:
+        kind: "device", "host" or "chunked".
         device: Where gathered batches live.
         n: Number of samples.
     """
 
+    kind = "source"
     device: torch.device
     n: int
 
@@ -224,6 +226,8 @@ class DeviceSource(Source):
         fields: One tensor per field, ``(n, *sample_shape)``, on the device.
     """
 
+    kind = "device"
+
     def __init__(self, fields: list[torch.Tensor]) -> None:
         if not fields or len({f.shape[0] for f in fields}) != 1:
             raise ValueError(f"every field needs the same number of rows, got {[tuple(f.shape) for f in fields]}")
@@ -252,6 +256,8 @@ class HostSource(Source):
         arrays: One array per field, ``(n, *sample_shape)``.
         segment: The shared-memory segment the arrays view, if any (kept alive with them).
     """
+
+    kind = "host"
 
     def __init__(self, arrays: list[np.ndarray], segment: Segment | None = None) -> None:
         if not arrays or len({a.shape[0] for a in arrays}) != 1:
@@ -362,6 +368,8 @@ class ChunkedSource(Source):
         buffers: The two chunk buffers (see :class:`ChunkBuffers`).
         fill_threads: Threads gathering one chunk's rows (default: the CPUs, at most 4).
     """
+
+    kind = "chunked"
 
     def __init__(self, host: HostSource, buffers: ChunkBuffers, fill_threads: int | None = None) -> None:
         expected = [(tuple(a.shape[1:]), torch_dtype(a.dtype)) for a in host.arrays]

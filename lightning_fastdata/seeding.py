@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_fastdata import _lightning as door
+
 #: Stream tags keep the augmentation, shuffling and worker streams apart even when
 #: their other keys coincide.
 STREAMS = {"augment": 1, "worker": 2, "order": 3, "block": 4, "worker-unset-epoch": 5}
@@ -244,7 +246,7 @@ def _reseed_on_epoch_change(dataset: Any) -> None:
     checks the epoch before each fetch changes nothing in the main process or elsewhere.
     """
     try:
-        dataset.__class__ = _reseeding_class(type(dataset))
+        door.reclass_worker_dataset(dataset, _reseeding_class(type(dataset)))
     except TypeError as e:
         warnings.warn(
             f"lightning_fastdata: a {type(dataset).__name__} dataset cannot be wrapped ({e}); "

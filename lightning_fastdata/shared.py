@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_fastdata import _lightning as door
 from lightning_fastdata import distributed as D
 from lightning_fastdata._util import fmt_bytes, pid_alive
 from lightning_fastdata.store import Store
@@ -154,9 +155,7 @@ class SharedArray(np.ndarray):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         seg = self._lfd_segment
-        from multiprocessing import context
-
-        if seg is None or seg.closed or context.get_spawning_popen() is None:
+        if seg is None or seg.closed or not door.pickling_for_process_start():
             # Not a process start (e.g. torch.save): keep ndarray's by-value pickling.
             return np.asarray(self).__reduce_ex__(protocol)
         return _field, (seg.handle, self._lfd_index)

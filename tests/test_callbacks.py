@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import lightning as L
@@ -18,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_fastdata import DataWaitProfiler, FastDataCallback
+from lightning_fastdata import _lightning as door
 
 
 class EpochStream(IterableDataset):
@@ -173,10 +175,48 @@ def test_the_report_is_printed_at_fit_end(tmp_path, caplog):
     assert "lightning_fastdata profile" in caplog.text and "verdict:" in caplog.text
 
 
-def test_is_a_data_wait_profiler_with_the_demo_keys():
-    cb = FastDataCallback()
-    assert isinstance(cb, DataWaitProfiler)
+def test_composes_a_data_wait_profiler_with_the_demo_keys():
+    cb = FastDataCallback(replay_steps=3, trace="t.json", trace_steps=(1, 2))
+    assert isinstance(cb.profiler, DataWaitProfiler) and not isinstance(cb, DataWaitProfiler)
+    assert (cb.profiler.replay_steps, cb.profiler.trace, cb.profiler.trace_steps) == (3, "t.json", (1, 2))
     assert {"data_wait_frac", "epoch_time_s", "samples", "steps", "data_wait_s", "compute_s"} <= set(cb.report())
+    assert cb.report() == cb.profiler.report()
+
+
+def test_falls_back_to_public_batch_hooks_when_the_door_is_closed(tmp_path, monkeypatch):
+    def closed(trainer):
+        raise door.DoorClosed("_TrainingEpochLoop", "_on_before_fetch", "fetch start hook")
+
+    monkeypatch.setattr(door, "timing_sites", closed)
+    cb = FastDataCallback(print_report=False)
+    trainer = make_trainer(tmp_path, callbacks=[cb])
+    with pytest.warns(UserWarning, match="public batch hooks"):
+        trainer.fit(SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)), loader(8, 4, Spend(0.0)))
+    rep = cb.report()
+    assert rep["timing"] == "hooks" and rep["steps"] == 4 and rep["samples"] == 16
+    assert rep["stages"]["validate"]["steps"] == 2
+    assert cb.on_train_batch_start is None and cb.on_train_batch_end is None  # hidden again after fit
+    assert len(cb.memory) == 1
+
+
+def test_trace_of_a_fit_with_a_sleeping_loader(tmp_path, caplog):
+    path = tmp_path / "trace.json"
+    cb = FastDataCallback(trace=path, trace_steps=(1, 3))
+    with caplog.at_level("INFO"):
+        make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(0.002)), loader(24, 4, Spend(0.003)))
+    with open(path) as f:
+        trace = json.load(f)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)
+    for step in (1, 2, 3):
+        mine = {e["name"]: e for e in spans if e["args"]["step"] == step and e["name"] != "overhead"}
+        assert set(mine) == {f"step {step}", "fetch", "transfer", "compute"}
+        fetch, transfer, compute = mine["fetch"], mine["transfer"], mine["compute"]
+        assert fetch["ts"] + fetch["dur"] <= transfer["ts"] + 1e-3 and transfer["ts"] < compute["ts"]
+        overhead = sum(e["dur"] for e in spans if e["args"]["step"] == step and e["name"] == "overhead")
+        total = fetch["dur"] + transfer["dur"] + compute["dur"] + overhead
+        assert total == pytest.approx(mine[f"step {step}"]["dur"], rel=1e-9, abs=1e-3)
+    assert f"trace: {path} (training steps 1 to 3" in caplog.text
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -205,3 +206,71 @@ def test_plan_and_bench_on_the_example_config(tmp_path, capsys):
     assert {r["strategy"] for r in measured} >= {"device", "workers"}
     assert report["recommendation"] == max(measured, key=lambda r: r["samples_per_s"])["strategy"]
     assert "| device |" in text and "recommendation:" in text
+
+
+# --------------------------------------------------------------------------- fastdata cache
+
+
+def _caches(tmp_path):
+    """Two projects' caches: one open (in use), one unused and 40 days old, one unused and recent."""
+    import warnings
+
+    from _helpers import TinyDataModule
+
+    class Other(TinyDataModule):
+        pass
+
+    cache = tmp_path / "cache"
+    warnings.simplefilter("ignore")
+    reading = TinyDataModule(n=40, cache_dir=str(cache), device="cpu", val=False)
+    reading.setup("fit")  # holds its cache open
+    old = TinyDataModule(n=40, shape=(3, 4, 4), cache_dir=str(cache), device="cpu", val=False)
+    old.prepare_data()
+    recent = Other(n=20, cache_dir=str(cache), device="cpu", val=False)
+    recent.prepare_data()
+    (old_path,) = [p for p in (cache / "_helpers.TinyDataModule").iterdir()
+                   if p.is_dir() and p != reading.stores["train"].path]
+    forty_days = time.time() - 40 * 86400
+    os.utime(old_path / "last_used", (forty_days, forty_days))
+    return cache, reading, old_path
+
+
+def test_cache_list_shows_every_cache_with_size_age_and_use(tmp_path, capsys):
+    cache, reading, old_path = _caches(tmp_path)
+    main(["cache", "list", "--cache-dir", str(cache)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"3 cache(s) in {cache}")
+    assert lines[1].split() == ["namespace", "split", "fingerprint", "samples", "size", "created", "last", "used",
+                                "state"]
+    rows = {line.split()[2]: line for line in lines[2:]}
+    fp = reading.stores["train"].fingerprint[:16]
+    assert rows[fp].split()[:4] == ["_helpers.TinyDataModule", "train", fp, "40"] and rows[fp].endswith("in use")
+    assert "(40.0d ago)" in rows[old_path.name[-16:]] and not rows[old_path.name[-16:]].endswith("in use")
+    other = [r for r in rows.values() if "Other" in r]
+    assert len(other) == 1 and other[0].split()[0].endswith("._caches._locals_.Other")
+
+
+def test_cache_prune_removes_only_unused_caches_and_says_what_it_frees(tmp_path, capsys):
+    cache, reading, old_path = _caches(tmp_path)
+    before = {p for p in cache.rglob("*") if p.is_dir()}
+    main(["cache", "prune", "--cache-dir", str(cache), "--dry-run"])
+    out = capsys.readouterr().out
+    assert out.count("would remove") == 2 and "kept: in use" in out and "would free" in out
+    assert {p for p in cache.rglob("*") if p.is_dir()} == before  # a dry run removes nothing
+    main(["cache", "prune", "--cache-dir", str(cache), "--older-than", "30d"])
+    out = capsys.readouterr().out
+    assert "removed" in out.split("\n")[1] and old_path.name[-16:] in out.split("\n")[1] and not old_path.exists()
+    assert out.strip().splitlines()[-1].startswith("freed ") and "1 cache(s) removed, 2 kept" in out
+    main(["cache", "prune", "--cache-dir", str(cache), "--keep-latest"])
+    assert "0 cache(s) removed, 2 kept" in capsys.readouterr().out  # each is the latest of its namespace
+    main(["cache", "prune", "--cache-dir", str(cache)])
+    out = capsys.readouterr().out
+    assert "1 cache(s) removed, 1 kept" in out and "kept: in use (a process has it open)" in out
+    assert reading.stores["train"].path.exists()
+    reading.stores["train"].close()
+    main(["cache", "prune", "--cache-dir", str(cache)])
+    assert "1 cache(s) removed, 0 kept" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["cache", "prune", "--cache-dir", str(cache), "--older-than", "3x"])
+    assert e.value.code == 2
+    assert "--older-than takes a number and a unit s, m, h, d or w (e.g. 30d), got '3x'" in capsys.readouterr().err

@@ -111,3 +111,36 @@ def test_replay_measures_the_device_step(tmp_path):
     replay = prof.report()["replay"]
     assert abs(replay["step_ms"] - 20.0) <= 2.0, replay
     assert replay["slowdown"] > 1.2
+
+
+class _BusyHost(L.Callback):
+    """Framework overhead: the host is busy 5 ms before every training step; the device waits."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        Spend(0.005)()
+
+
+def test_a_gpu_idled_by_host_work_is_host_bound_not_data_wait(tmp_path):
+    prof = DataWaitProfiler(print_report=False)
+    trainer = make_trainer(tmp_path, accelerator="gpu", devices=1, callbacks=[_BusyHost(), prof])
+    trainer.fit(DeviceSleeper(1.0), loader(48, 4, Spend(0.0)))
+    train = prof.report()["stages"]["train"]
+    assert train["gpu_idle_frac"] > 0.5, train
+    assert train["verdict"] == "host-bound", train
+    assert train["advice"][0].startswith("host-bound: the GPU is idle") and "CUDA graphs" in train["advice"][0]
+
+
+def test_trace_on_a_gpu_has_device_compute_and_idle_lanes(tmp_path):
+    import json
+
+    path = tmp_path / "trace.json"
+    prof = DataWaitProfiler(print_report=False, trace=path, trace_steps=(2, 4))
+    trainer = make_trainer(tmp_path, accelerator="gpu", devices=1, callbacks=[prof])
+    trainer.fit(DeviceSleeper(5.0), loader(48, 4, Spend(0.01)))
+    spans = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    gpu = [e for e in spans if e["name"] == "gpu compute"]
+    idle = [e for e in spans if e["name"] == "gpu idle"]
+    assert len(gpu) == 4 and all(abs(e["dur"] - 5000) < 1000 for e in gpu), gpu
+    assert len(idle) == 4 and all(e["dur"] > 5000 for e in idle), idle  # the 10 ms fetch, at least half of it
+    assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)
+    assert prof.report()["trace"]["path"] == str(path)

@@ -1,0 +1,161 @@
+"""The cache directory as a whole: list every cache, prune the unused ones.
+
+``cache_dir`` holds one directory per namespace (a data module's ``module.QualName``)
+and, in it, one directory per cache, ``<split>-<fingerprint[:16]>`` (see
+:mod:`lightning_fastdata.store`). A cache is *in use* while a process has it open (its
+reader lease, :mod:`lightning_fastdata.locks`) or holds its build lock; pruning never
+removes one in use, and never touches a build in progress (its temporary directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_fastdata import locks
+from lightning_fastdata import store as S
+
+
+@dataclass
+class CacheInfo:
+    """One cache directory as :func:`list_caches` sees it."""
+
+    path: Path
+    namespace: str
+    split: str
+    fingerprint: str
+    samples: int | None
+    nbytes: int
+    created: str
+    last_used: float
+    in_use: bool
+    problem: str = ""
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for nm in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, nm)).st_size
+    return total
+
+
+def _cache_dirs(root: Path) -> list[tuple[str, Path]]:
+    """(namespace, cache dir) for every cache in ``root`` and in its namespace directories."""
+    out: list[tuple[str, Path]] = []
+
+    def scan(d: Path, ns: str) -> list[Path]:
+        subdirs = []
+        with contextlib.suppress(OSError):
+            for p in sorted(d.iterdir()):
+                if p.name.startswith(".") or p.is_symlink() or not p.is_dir():
+                    continue
+                if S.CACHE_NAME.fullmatch(p.name) and (p / S.MANIFEST).exists():
+                    out.append((ns, p))
+                else:
+                    subdirs.append(p)
+        return subdirs
+
+    for sub in scan(root, ""):
+        scan(sub, sub.name)
+    return out
+
+
+def list_caches(cache_dir: str | os.PathLike) -> list[CacheInfo]:
+    """Every cache under ``cache_dir``: namespace, split, fingerprint, samples, bytes, created, last used, in use."""
+    root = Path(cache_dir)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    out = []
+    for ns, path in _cache_dirs(root):
+        m = S.CACHE_NAME.fullmatch(path.name)
+        assert m is not None
+        problem, samples, created = "", None, ""
+        try:
+            manifest = S.read_manifest(path, check_version=False)
+            samples, created = int(manifest.get("n", 0)), str(manifest.get("created", ""))
+            if manifest.get("version") != S.FORMAT_VERSION:
+                problem = f"store format version {manifest.get('version')}: this release cannot read it"
+        except S.CacheInvalidError as e:
+            problem = str(e)
+        out.append(CacheInfo(path, ns, m["split"], m["fp"], samples, _dir_bytes(path), created, S.last_used(path),
+                             locks.busy(path / S.READERS) or locks.busy(S.lock_path(path)), problem))
+    return out
+
+
+@dataclass
+class PruneResult:
+    """What :func:`prune_caches` did (or would do) with one cache."""
+
+    cache: CacheInfo
+    removed: bool
+    reason: str
+
+
+def prune_caches(cache_dir: str | os.PathLike, older_than_s: float | None = None, keep_latest: bool = False,
+                 dry_run: bool = False, now: float | None = None) -> list[PruneResult]:
+    """Remove caches nobody uses: not open by any process, not being built, optionally old.
+
+    Args:
+        cache_dir: The cache directory (all namespaces in it).
+        older_than_s: Only caches last used more than this many seconds ago.
+        keep_latest: Keep the most recently used cache of every (namespace, split).
+        dry_run: Say what would be removed, remove nothing.
+        now: The current time (``time.time()``), for tests.
+
+    Returns:
+        One result per cache found, removed or kept with the reason.
+    """
+    now = time.time() if now is None else now
+    caches = list_caches(cache_dir)
+    latest: dict[tuple[str, str], CacheInfo] = {}
+    for c in caches:
+        key = (c.namespace, c.split)
+        if key not in latest or c.last_used > latest[key].last_used:
+            latest[key] = c
+    results = []
+    for c in caches:
+        if keep_latest and latest[(c.namespace, c.split)] is c:
+            results.append(PruneResult(c, False, "kept: the latest of its namespace and split"))
+        elif older_than_s is not None and now - c.last_used <= older_than_s:
+            results.append(PruneResult(c, False, f"kept: used {_age(now - c.last_used)} ago"))
+        elif dry_run:
+            reason = "kept: in use" if c.in_use else "would be removed"
+            results.append(PruneResult(c, False, reason))
+        else:
+            why = _remove_if_unused(c.path)
+            results.append(PruneResult(c, why is None, why or "removed"))
+    if not dry_run:
+        for d in {Path(cache_dir)} | {c.path.parent for c in caches}:
+            S.sweep_temporaries(d)
+    return results
+
+
+def _remove_if_unused(path: Path) -> str | None:
+    """Remove ``path`` unless a process reads or builds it; ``None`` when removed, else why not."""
+    lock = locks.try_lock(S.lock_path(path))
+    if lock is None:
+        return "kept: in use (being built or validated)"
+    try:
+        with locks.exclusive(path / S.READERS) as free:
+            if not free:
+                return "kept: in use (a process has it open)"
+            S.remove_cache(path)  # a reader opening it meanwhile finds it gone, and rebuilds
+        with contextlib.suppress(OSError):
+            os.unlink(S.lock_path(path))
+        return None
+    except OSError as e:
+        return f"kept: {e}"
+    finally:
+        lock.release()
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"

@@ -1,0 +1,638 @@
+"""What identifies a cache: the code, configuration, files and sample outputs that made it.
+
+A :class:`Fingerprint` is a set of named components, each JSON-able and kept in the
+store's manifest, so that when a cache is rebuilt the warning can say what changed:
+
+``code``
+    The bytecode and constants of the static transform and of the source's class
+    (every method of its class and of its bases, except ``object``/``typing``/
+    ``torch.utils.data`` ones), recursively for the functions and classes of the same
+    module they reach by global name, and for the methods of the transform's own class
+    it reaches through ``self``. Functions of other modules enter by name and their
+    package's version. Bytecode, not source text: an edit to a comment or a blank line
+    does not rebuild a cache, and lambdas and functions without a source file are seen.
+``config``
+    The data module's init arguments that can change what is cached (not its loader
+    settings), as canonical text.
+``files``
+    Path, size and ``mtime_ns`` of every file the source reads (a hook's list, or paths
+    discovered on the dataset: ``ImageFolder.samples`` and the like).
+``source``
+    The dataset's class, length and instance state (its attributes, canonicalised).
+``probes``
+    The bytes, dtypes and shapes of the static outputs of probe samples spread over
+    the index range.
+``cache_key``
+    The user's escape hatch: any string.
+
+Only immutable values (numbers, strings, tuples, ...) enter through module globals,
+closures and defaults; mutable ones (lists, dicts, objects) enter by type only, because
+they often hold state (a memo, a counter) that would change the fingerprint between two
+calls in one process. This module imports nothing from the package but ``_util``.
+"""
+
+from __future__ import annotations
+
+import dis
+import enum
+import functools
+import hashlib
+import json
+import os
+import re
+import sys
+import sysconfig
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+
+from lightning_fastdata._util import fmt_bytes
+
+#: Probe samples per fingerprint, spread over the index range (first and last included).
+PROBES = 8
+#: Components, in the order a "what changed" message lists them.
+COMPONENTS = ("format", "cache_key", "code", "config", "files", "source", "probes")
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
+_MAX_DEPTH = 6
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+_MAX_ARRAY_HASH = 256 << 20  # hash arrays up to this size whole; larger ones by 64 evenly spread slices
+_DISPLAY = 120  # characters of a config value kept for the "what changed" message
+_SKIP_BASES = ("builtins", "typing", "abc", "collections.abc")
+#: Attributes of a source set at construction that decide what it returns (torchvision's
+#: conventions, ``Subset.indices``). Other attributes are not hashed: datasets often open
+#: handles lazily or memoise, which would change the fingerprint between two calls.
+SOURCE_ATTRIBUTES = ("root", "split", "train", "transform", "target_transform", "transforms", "loader", "indices")
+
+
+def probe_indices(n: int, probes: int = PROBES) -> list[int]:
+    """Evenly spread sample indices, always including the first and the last."""
+    if n <= probes:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(probes - 1, 1)) for i in range(probes)})
+
+
+def _sha(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots if r))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(module_name: str) -> bool:
+    """Installed (site-packages) or standard-library code: named with its version, not hashed.
+
+    Everything else is the user's code and is hashed: a project checkout or an editable
+    install, a script's ``__main__``, a notebook's cells (a module without a file).
+    """
+    if module_name in sys.builtin_module_names:
+        return True
+    file = getattr(sys.modules.get(module_name), "__file__", None)
+    if not file:
+        return False
+    return os.path.realpath(file).startswith(_library_roots())
+
+
+def _version(module_name: str) -> str:
+    top = module_name.partition(".")[0]
+    module = sys.modules.get(top)
+    version = getattr(module, "__version__", None)
+    return f"{top}=={version}" if isinstance(version, str) else top
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', None) or type(obj).__qualname__}"
+
+
+# --------------------------------------------------------------------------- canonical text
+
+
+class Canon:
+    """Deterministic text for values and digests for code, collecting the code it meets.
+
+    Attributes:
+        code: ``{qualified name: digest}`` of every function and class hashed so far.
+    """
+
+    def __init__(self) -> None:
+        self.code: dict[str, str] = {}
+        self._digests: dict[int, str] = {}
+        self._active: set[int] = set()
+        self._keep: list[Any] = []  # keeps hashed objects alive so their ids are not reused
+
+    # ----------------------------------------------------------------- values
+
+    def value(self, obj: Any, mutable: bool = True, depth: int = 0) -> str:
+        """Canonical text of ``obj``; with ``mutable=False``, mutable containers and objects enter by type only."""
+        t = type(obj)
+        if t in _ATOMS:
+            if t is bytes and len(obj) > 256:
+                return f"bytes[{len(obj)}]:{_sha(obj)[:32]}"
+            return repr(obj)
+        if isinstance(obj, enum.Enum):
+            return f"{_qualname(t)}.{obj.name}"
+        if isinstance(obj, PurePath):
+            return f"path:{str(obj)!r}"
+        if depth > _MAX_DEPTH:
+            return f"<{_qualname(t)} (nested too deep)>"
+        if t is tuple or t is frozenset or (mutable and isinstance(obj, (list, tuple, set, frozenset))):
+            return self._sequence(obj, mutable, depth)
+        if isinstance(obj, types.CodeType):
+            return f"code:{self._code_digest(obj)}"
+        if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial, types.BuiltinFunctionType)):
+            return f"fn:{self.callable(obj)}"
+        if isinstance(obj, type):
+            return f"class:{_qualname(obj)}" + (f"[{_version(obj.__module__)}]" if _is_library(obj.__module__) else
+                                                f":{self.klass(obj)}")
+        if isinstance(obj, types.ModuleType):
+            return f"module:{obj.__name__}[{_version(obj.__name__)}]"
+        name = _qualname(t)
+        if t.__module__ == "torch" and t.__name__ in ("dtype", "device", "Size"):
+            return f"{t.__name__}:{obj}"
+        if isinstance(obj, np.dtype):
+            return f"dtype:{obj.str}"
+        if not mutable:
+            return f"<{name}>"
+        if isinstance(obj, Mapping):
+            items = [(self.value(k, mutable, depth + 1), self.value(v, mutable, depth + 1)) for k, v in obj.items()]
+            return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+        array = _as_array(obj)
+        if array is not None:
+            return f"{name}[{array.dtype.str}{list(array.shape)}]:{_array_digest(array)}"
+        if _is_dataset(obj):  # as a source: never its lazily opened handles or counters
+            state = _state(obj) or {}
+            attrs = {k: state[k] for k in SOURCE_ATTRIBUTES if k in state}
+            return f"dataset:{name}[{_safe_len(obj)}]({self.value(attrs, True, depth + 1)})"
+        return self._object(obj, name, depth)
+
+    def _sequence(self, obj: Any, mutable: bool, depth: int) -> str:
+        kind = type(obj).__name__
+        if isinstance(obj, (set, frozenset)):
+            return f"{kind}{{" + ", ".join(sorted(self.value(v, mutable, depth + 1) for v in obj)) + "}"
+        if _plain(obj):  # the common large case (ImageFolder.samples): repr at C speed is canonical
+            return f"{kind}:{_sha(repr(obj))}" if len(obj) > 64 else f"{kind}{list(obj)!r}"
+        return f"{kind}[" + ", ".join(self.value(v, mutable, depth + 1) for v in obj) + "]"
+
+    def _object(self, obj: Any, name: str, depth: int) -> str:
+        """An object: its class (code if the user's, else name and version) and its attributes."""
+        key = id(obj)
+        if key in self._active:
+            return f"<{name} (cycle)>"
+        self._active.add(key)
+        try:
+            module = type(obj).__module__
+            head = f"{name}[{_version(module)}]" if _is_library(module) else f"{name}:{self.klass(type(obj))}"
+            state = _state(obj)
+            if state is not None:
+                return f"{head}({self.value(state, True, depth + 1)})"
+            text = repr(obj)  # a repr with an address would differ between processes (and ranks)
+            return f"<{head}>" if _ADDRESS.search(text) else f"{head}({text})"
+        finally:
+            self._active.discard(key)
+
+    # ----------------------------------------------------------------- code
+
+    def callable(self, fn: Any) -> str:
+        """Digest of a function, bound method, partial or callable object (registered in :attr:`code`)."""
+        if isinstance(fn, types.MethodType):
+            owner = fn.__self__ if not isinstance(fn.__self__, type) else None
+            return self.function(fn.__func__, owner=type(owner) if owner is not None else fn.__self__)
+        if isinstance(fn, functools.partial):
+            args = self.value(fn.args, False) + self.value(fn.keywords, True)
+            return _sha("partial", self.callable(fn.func), args)[:16]
+        if isinstance(fn, types.FunctionType):
+            return self.function(fn)
+        if isinstance(fn, types.BuiltinFunctionType):
+            return f"{_qualname(fn)}[{_version(getattr(fn, '__module__', '') or 'builtins')}]"
+        # a callable object (e.g. a transform pipeline): its class's code and its state
+        return _sha("object", self.klass(type(fn)), self.value(fn, True))[:16]
+
+    def function(self, fn: types.FunctionType, owner: type | None = None) -> str:
+        """Digest of ``fn``'s code, defaults, closure and the same-module globals it reaches.
+
+        A library function (installed or standard library) is its name and its package's
+        version. ``owner``: the class of ``self`` for a method, so that ``self.helper()``
+        reaches the helper's code.
+        """
+        module = fn.__module__ or ""
+        if _is_library(module):
+            return f"{_qualname(fn)}[{_version(module)}]"
+        key = id(fn)
+        if key in self._digests:
+            return self._digests[key]
+        name = _qualname(fn)
+        if key in self._active:
+            return f"recursive:{name}"
+        self._active.add(key)
+        self._keep.append(fn)
+        try:
+            parts = [name, self._code_digest(fn.__code__),
+                     self.value(fn.__defaults__, False), self.value(fn.__kwdefaults__, False)]
+            for cell in fn.__closure__ or ():
+                try:
+                    parts.append(self.value(cell.cell_contents, False))
+                except ValueError:  # an empty cell
+                    parts.append("<empty cell>")
+            for gname in sorted(_global_names(fn.__code__)):
+                if gname in fn.__globals__:
+                    parts.append(f"{gname}={self._global(fn.__globals__[gname], module)}")
+            if owner is not None:
+                for aname in sorted(_attribute_names(fn.__code__)):
+                    parts.append(self._owner_attribute(owner, aname, module))
+            digest = _sha(*parts)[:16]
+        finally:
+            self._active.discard(key)
+        self._digests[key] = digest
+        self.code[name] = digest
+        return digest
+
+    def klass(self, cls: type) -> str:
+        """Digest of the functions defined in ``cls`` and its bases; library classes by name and version.
+
+        ``object`` and the ``typing``/``abc`` machinery are left out.
+        """
+        key = id(cls)
+        if key in self._digests:
+            return self._digests[key]
+        name = _qualname(cls)
+        if key in self._active:
+            return f"recursive:{name}"
+        self._active.add(key)
+        self._keep.append(cls)
+        try:
+            parts = [name]
+            for base in cls.__mro__:
+                if base is object or base.__module__.startswith(_SKIP_BASES):
+                    continue
+                if _is_library(base.__module__):
+                    parts.append(f"{_qualname(base)}[{_version(base.__module__)}]")
+                    continue
+                parts.append(_qualname(base))
+                for attr, value in sorted(vars(base).items()):
+                    for fn in _functions_of(value):
+                        parts.append(f"{attr}:{self.function(fn, owner=cls)}")
+            digest = _sha(*parts)[:16]
+        finally:
+            self._active.discard(key)
+        self._digests[key] = digest
+        if not _is_library(cls.__module__):
+            self.code[name] = digest
+        return digest
+
+    def _code_digest(self, code: types.CodeType) -> str:
+        parts: list[str | bytes] = [code.co_code, repr(code.co_names), repr(code.co_varnames),
+                                    repr(code.co_freevars), repr(code.co_cellvars), str(code.co_flags)]
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                parts.append(self._code_digest(const))
+            else:
+                parts.append(self.value(const, False))
+        return _sha(*parts)[:16]
+
+    def _global(self, value: Any, home: str) -> str:
+        """A global reached by name: same-module code is hashed; other code is named and versioned."""
+        module = getattr(value, "__module__", None) if isinstance(value, (type, types.FunctionType)) else None
+        if module == home:
+            return self.klass(value) if isinstance(value, type) else self.function(value)
+        if isinstance(value, (type, types.FunctionType)):
+            return f"{_qualname(value)}[{_version(module or '')}]"
+        return self.value(value, False)
+
+    def _owner_attribute(self, owner: type, name: str, home: str) -> str:
+        """``self.<name>`` in a method: methods of the same module are hashed, immutable class values included."""
+        try:
+            value = next(vars(c)[name] for c in owner.__mro__ if name in vars(c))
+        except StopIteration:
+            return f".{name}"
+        for fn in _functions_of(value):
+            if fn.__module__ == home:
+                return f".{name}:{self.function(fn, owner=owner)}"
+            return f".{name}:{_qualname(fn)}"
+        if isinstance(value, _ATOMS + (tuple, frozenset)):
+            return f".{name}={self.value(value, False)}"
+        return f".{name}"
+
+
+def _plain(seq: Any) -> bool:
+    """Every element an atom, or a tuple of atoms (checked in one pass)."""
+    for x in seq:
+        t = type(x)
+        if t in _ATOMS:
+            continue
+        if t is tuple and all(type(y) in _ATOMS for y in x):
+            continue
+        return False
+    return True
+
+
+def _as_array(obj: Any) -> np.ndarray | None:
+    if isinstance(obj, np.ndarray):
+        return obj
+    module = type(obj).__module__
+    if module.startswith("torch") and hasattr(obj, "detach") and hasattr(obj, "numpy"):
+        try:
+            t = obj.detach()
+            if str(t.dtype) == "torch.bfloat16":
+                t = t.float()
+            return t.cpu().numpy()
+        except (RuntimeError, TypeError):
+            return None
+    return None
+
+
+def _array_digest(a: np.ndarray) -> str:
+    if a.dtype == object:
+        return "object-array"
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+    if flat.nbytes <= _MAX_ARRAY_HASH:
+        return _sha(flat.tobytes())[:32]
+    # A huge in-memory array: 64 evenly spread 1 MiB slices (its changes also show in the probes).
+    step = flat.nbytes // 64
+    return _sha(*(flat[i * step: i * step + (1 << 20)].tobytes() for i in range(64)), str(flat.nbytes))[:32]
+
+
+def _state(obj: Any) -> dict | None:
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        return state
+    slots = [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ()) if isinstance(s, str)]
+    if slots:
+        return {s: getattr(obj, s) for s in slots if hasattr(obj, s)}
+    return None
+
+
+def _functions_of(value: Any) -> list[types.FunctionType]:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if isinstance(f, types.FunctionType)]
+    if isinstance(value, functools.cached_property):
+        value = value.func
+    return [value] if isinstance(value, types.FunctionType) else []
+
+
+def _instructions(code: types.CodeType) -> Iterable[tuple[dis.Instruction, types.CodeType]]:
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        for ins in dis.get_instructions(c):
+            yield ins, c
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    return {ins.argval for ins, _ in _instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+            and isinstance(ins.argval, str)}
+
+
+def _attribute_names(code: types.CodeType) -> set[str]:
+    return {ins.argval for ins, _ in _instructions(code) if ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and isinstance(ins.argval, str)}
+
+
+# --------------------------------------------------------------------------- files
+
+
+def discover_files(source: Any, depth: int = 0) -> list[str]:
+    """Paths a dataset reads, found on its attributes.
+
+    An attribute counts when it is a list or tuple of path strings, or of tuples/lists
+    whose first item is a path string (``ImageFolder.samples``, ``.imgs``), and its first
+    path exists; or a single string naming an existing file. Attributes that are
+    datasets themselves (``Subset.dataset``, ``ConcatDataset.datasets``) are searched
+    too, two levels deep.
+    """
+    state = _state(source) or {}
+    seen_lists: set[int] = set()
+    paths: dict[str, None] = {}
+    for value in state.values():
+        if isinstance(value, (str, PurePath)):
+            p = os.fspath(value)
+            if os.path.isfile(p):
+                paths[p] = None
+            continue
+        if not isinstance(value, (list, tuple)) or not value or id(value) in seen_lists:
+            continue
+        seen_lists.add(id(value))
+        first = value[0]
+        if isinstance(first, (list, tuple)) and first and isinstance(first[0], (str, PurePath)):
+            if os.path.exists(first[0]):
+                paths.update((os.fspath(v[0]), None) for v in value if isinstance(v, (list, tuple)) and v
+                             and isinstance(v[0], (str, PurePath)))
+        elif isinstance(first, (str, PurePath)):
+            if os.path.exists(first):
+                paths.update((os.fspath(v), None) for v in value if isinstance(v, (str, PurePath)))
+        elif depth < 2 and _is_dataset(first):
+            for inner in value:
+                if _is_dataset(inner):
+                    paths.update((p, None) for p in discover_files(inner, depth + 1))
+    if depth < 2:
+        for value in state.values():
+            if _is_dataset(value) and value is not source:
+                paths.update((p, None) for p in discover_files(value, depth + 1))
+    return list(paths)
+
+
+def _safe_len(obj: Any) -> int | str:
+    try:
+        return len(obj)
+    except Exception:  # noqa: BLE001 - any failure means "no length" here
+        return "?"
+
+
+def _is_dataset(obj: Any) -> bool:
+    return hasattr(type(obj), "__getitem__") and hasattr(type(obj), "__len__") and not isinstance(
+        obj, (str, bytes, list, tuple, dict, np.ndarray)) and _as_array(obj) is None
+
+
+def files_component(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
+    """Count, total bytes, newest modification and a digest of (path, size, mtime_ns) of every file.
+
+    A file that does not exist enters with size and mtime -1 (the source will fail on it
+    anyway, with its own message).
+    """
+    h = hashlib.sha256()
+    total, newest, missing = 0, 0, 0
+    for p in paths:
+        path = os.fspath(p)
+        try:
+            st = os.stat(path)
+            size, mtime = st.st_size, st.st_mtime_ns
+        except OSError:
+            size, mtime, missing = -1, -1, missing + 1
+        total += max(size, 0)
+        newest = max(newest, mtime)
+        h.update(f"{path}\x00{size}\x00{mtime}\n".encode())
+    return {"count": len(paths), "bytes": total, "newest_mtime_ns": newest, "missing": missing,
+            "digest": h.hexdigest()[:32]}
+
+
+# --------------------------------------------------------------------------- the fingerprint
+
+
+def _sources(source: Any, depth: int = 0) -> list[Any]:
+    """The source and the datasets it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), two levels deep."""
+    out = [source]
+    if depth < 2:
+        for value in (_state(source) or {}).values():
+            for item in (value[:16] if isinstance(value, (list, tuple)) else [value]):
+                if _is_dataset(item) and item is not source:
+                    out += _sources(item, depth + 1)
+    return out
+
+
+def code_component(transform: Callable[[Any], Any], source: Any, canon: Canon) -> dict[str, str]:
+    """Digests of the static transform and the source's classes (roots), then every user function they reach.
+
+    Call it after the other components that use ``canon``: it also lists the code those met.
+    """
+    roots = {"static_transform": canon.callable(transform)}
+    for k, ds in enumerate(_sources(source)):
+        roots[f"source class {_qualname(type(ds))}" + (f" #{k}" if k else "")] = canon.klass(type(ds))
+    return {**roots, **dict(sorted(canon.code.items()))}
+
+
+def config_component(config: Mapping[str, Any] | None, canon: Canon) -> dict[str, str]:
+    """``{name: canonical text}``, long values shortened to a prefix and a digest of the whole."""
+    out: dict[str, str] = {}
+    for key in sorted(config or {}):
+        text = canon.value(config[key])
+        out[str(key)] = text if len(text) <= _DISPLAY else f"{text[:60]}... sha256:{_sha(text)[:16]}"
+    return out
+
+
+def source_component(source: Any, n: int, canon: Canon) -> dict[str, Any]:
+    """The dataset's class and length, and its construction-time attributes (:data:`SOURCE_ATTRIBUTES`)."""
+    attrs = {}
+    for k, ds in enumerate(_sources(source)):
+        state = _state(ds) or {}
+        for name in SOURCE_ATTRIBUTES:
+            if name in state:
+                attrs[f"{k}.{name}"] = state[name]
+    return {"class": _qualname(type(source)), "len": n, "attributes": _sha(canon.value(attrs))[:32]}
+
+
+def leaf_digests(leaves: Sequence[tuple[str, np.ndarray]]) -> list[str]:
+    """One digest per leaf of a static output: its path, dtype, shape and bytes."""
+    out = []
+    for path, a in leaves:
+        out.append(_sha(f"{path}:{a.dtype.str}:{a.shape}", np.ascontiguousarray(a).tobytes())[:32])
+    return out
+
+
+def probes_component(spec: Mapping[str, Any], samples: Mapping[int, Sequence[str]]) -> dict[str, Any]:
+    """The sample structure and, per probe index, one digest over its leaves' digests."""
+    return {"spec": _sha(json.dumps(spec, sort_keys=True))[:16],
+            "samples": {str(i): _sha(*d)[:16] for i, d in sorted(samples.items())}}
+
+
+def make_fingerprint(transform: Callable[[Any], Any], source: Any, n: int, *, format_version: int,
+                     cache_key: str | None, config: Mapping[str, Any] | None, files: Sequence[str],
+                     spec: Mapping[str, Any], samples: Mapping[int, Sequence[str]]) -> Fingerprint:
+    """All components of a fingerprint (see the module docstring)."""
+    canon = Canon()
+    components: dict[str, Any] = {
+        "format": format_version,
+        "cache_key": cache_key,
+        "config": config_component(config, canon),
+        "files": files_component(files),
+        "source": source_component(source, n, canon),
+        "probes": probes_component(spec, samples),
+    }
+    components["code"] = code_component(transform, source, canon)  # last: it lists the code the others met
+    return Fingerprint(components)
+
+
+@dataclass
+class Fingerprint:
+    """Named, JSON-able components; :attr:`digest` is the hash of all of them.
+
+    Attributes:
+        components: ``{"format", "cache_key", "code", "config", "files", "source", "probes"}``
+            (see the module docstring).
+    """
+
+    components: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        """The hex digest that names the cache."""
+        return hashlib.sha256(json.dumps(self.components, sort_keys=True, default=str).encode()).hexdigest()
+
+    def changes(self, old: Mapping[str, Any]) -> list[str]:
+        """What differs from an older fingerprint's components, one phrase per component."""
+        out = []
+        for name in COMPONENTS:
+            a, b = old.get(name), self.components.get(name)
+            if a != b:
+                out.append(_describe(name, a, b))
+        return out
+
+
+def _describe(name: str, old: Any, new: Any) -> str:
+    if name == "format":
+        return f"store format version changed ({old} -> {new})"
+    if name == "cache_key":
+        return f"cache_key changed ({old!r} -> {new!r})"
+    if name in ("code", "config") and isinstance(old, dict) and isinstance(new, dict):
+        changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+        added, removed = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+        if name == "code":
+            parts = ([f"changed: {', '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}"] if changed else []) + (
+                [f"new: {', '.join(added[:6])}"] if added else []) + (
+                [f"gone: {', '.join(removed[:6])}"] if removed else [])
+            return "code changed (" + "; ".join(parts) + ")"
+        parts = [f"{k}: {old[k]} -> {new[k]}" for k in changed] + [f"{k} added ({new[k]})" for k in added] + [
+            f"{k} removed (was {old[k]})" for k in removed]
+        return "config changed (" + "; ".join(parts) + ")"
+    if name == "files" and isinstance(old, dict) and isinstance(new, dict):
+        bits = []
+        if old.get("count") != new.get("count"):
+            bits.append(f"{new.get('count')} files listed, was {old.get('count')}")
+        if old.get("bytes") != new.get("bytes"):
+            bits.append(f"{fmt_bytes(new.get('bytes', 0))} in total, was {fmt_bytes(old.get('bytes', 0))}")
+        if old.get("newest_mtime_ns") != new.get("newest_mtime_ns"):
+            bits.append("a file was modified (newest modification time "
+                        f"{_when(new.get('newest_mtime_ns'))}, was {_when(old.get('newest_mtime_ns'))})")
+        if not bits:
+            bits.append("a path, size or modification time of a listed file differs")
+        return "source files changed (" + "; ".join(bits) + ")"
+    if name == "source" and isinstance(old, dict) and isinstance(new, dict):
+        bits = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in ("class", "len") if old.get(k) != new.get(k)]
+        return "source changed (" + ("; ".join(bits) or "its attributes differ") + ")"
+    if name == "probes" and isinstance(old, dict) and isinstance(new, dict):
+        a, b = old.get("samples", {}), new.get("samples", {})
+        diff = sorted(int(k) for k in a.keys() & b.keys() if a[k] != b[k])
+        if diff:
+            return f"static outputs of probe samples {', '.join(map(str, diff))} changed"
+        return "static outputs of the probe samples changed (structure, dtype or shape)"
+    return f"{name} changed"
+
+
+def _when(ns: Any) -> str:
+    import time
+
+    if not isinstance(ns, int) or ns <= 0:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) + f".{ns % 10**9:09d}"[:4]
+
+
+def sanitise_namespace(namespace: str) -> str:
+    """A safe directory name for ``namespace`` (a data module's ``module.QualName``)."""
+    text = re.sub(r"[^A-Za-z0-9._-]+", "_", namespace).lstrip(".")  # never a hidden name
+    if len(text) > 160:
+        text = f"{text[:140]}-{_sha(namespace)[:16]}"
+    return text

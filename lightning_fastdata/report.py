@@ -1,0 +1,223 @@
+"""The profiler's report: pure functions of the recorded rows and of what is known of the pipeline.
+
+:func:`summarize` turns rows (see :mod:`~lightning_fastdata.step_timer`) into totals, shares
+and percentiles; :func:`verdict_of` names what bounds the step; :func:`advise` says what to
+change; :func:`format_report` prints it. Nothing here reads a clock, a Trainer or a device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lightning_fastdata._util import fmt_bytes
+from lightning_fastdata.step_timer import COMPUTE, FETCH, IDLE, OVERHEAD, STEP, TRANSFER, WAIT, WIDTH
+
+_FIGURES = (("step", STEP), ("data_wait", WAIT), ("compute", COMPUTE), ("overhead", OVERHEAD))
+#: A data wait at or above this share of the step gets data-loading advice.
+DATA_ADVICE_FRAC = 0.10
+#: Framework overhead at or above this share of the step gets its own advice.
+OVERHEAD_ADVICE_FRAC = 0.25
+#: A GPU idle at least this share of its time, with the host's own work explaining more of it than
+#: loading does, is host-bound (see :func:`verdict_of`).
+HOST_IDLE_FRAC = 0.10
+
+
+def summarize(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """Totals, shares, and mean/p50/p95 in ms of step, data wait, compute and overhead (rows of 8 columns)."""
+    out: dict[str, Any] = {"steps": len(rows)}
+    # fromiter over the flat rows: np.asarray would inspect every float of every row (epoch end, all rows).
+    flat = itertools.chain.from_iterable(rows)
+    arr = np.fromiter(flat, dtype=np.float64, count=len(rows) * WIDTH).reshape(len(rows), WIDTH)
+    total = float(arr[:, STEP].sum())
+    for name, col in _FIGURES:
+        v = arr[:, col]
+        out[f"{name}_s"] = float(v.sum())
+        out[f"{name}_ms_mean"] = 1e3 * float(v.mean()) if len(v) else 0.0
+        out[f"{name}_ms_p50"] = 1e3 * float(np.percentile(v, 50)) if len(v) else 0.0
+        out[f"{name}_ms_p95"] = 1e3 * float(np.percentile(v, 95)) if len(v) else 0.0
+    for name, col in (("fetch", FETCH), ("transfer", TRANSFER)):
+        out[f"{name}_ms_mean"] = 1e3 * float(arr[:, col].mean()) if len(rows) else 0.0
+    for name in ("data_wait", "compute", "overhead"):
+        out[f"{name}_frac"] = out[f"{name}_s"] / total if total > 0 else 0.0
+    idle = arr[:, IDLE]
+    if len(rows) and not np.isnan(idle).all():
+        busy = float(np.nansum(idle)) + out["compute_s"]
+        out["gpu_idle_frac"] = float(np.nansum(idle)) / busy if busy > 0 else 0.0
+    return out
+
+
+def data_on_device(context: Mapping[str, Any] | None) -> bool:
+    """Whether the whole dataset sits on the training device (strategy ``device``)."""
+    context = context or {}
+    loader = context.get("loader") or {}
+    return getattr(context.get("plan"), "strategy", None) == "device" or loader.get("kind") == "device"
+
+
+def host_share(summary: Mapping[str, Any], on_device: bool) -> float:
+    """Share of the step the host spends on its own work rather than waiting for data.
+
+    Framework overhead (callbacks, logging, the model's own launches beyond device compute),
+    plus, when the data is on the device, the whole data wait: there the batch gather and
+    the augmentation are kernels being launched, not data being loaded.
+    """
+    return summary["overhead_frac"] + (summary["data_wait_frac"] if on_device else 0.0)
+
+
+def verdict_of(summary: Mapping[str, Any], context: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What bounds the step, with its share of the step.
+
+    * ``host-bound``: the GPU idles at least ``HOST_IDLE_FRAC`` of its time and the host's
+      own work (:func:`host_share`) is at least the real data wait (a wait off the device);
+      known only on a GPU, where idle time is measured;
+    * ``data-bound``: the data wait exceeds compute;
+    * ``compute-bound`` otherwise.
+
+    Args:
+        summary: A stage summary from :func:`summarize`.
+        context: What :func:`advise` gets; ``plan``/``loader`` say whether the data is on the device.
+    """
+    if not summary.get("steps"):
+        return {"verdict": "no steps", "share": 0.0}
+    on_device = data_on_device(context)
+    host = host_share(summary, on_device)
+    loading = 0.0 if on_device else summary["data_wait_frac"]
+    idle = summary.get("gpu_idle_frac")
+    if idle is not None and idle >= HOST_IDLE_FRAC and host > 0 and host >= loading:
+        return {"verdict": "host-bound", "share": host}
+    if summary["data_wait_s"] > summary["compute_s"]:
+        return {"verdict": "data-bound", "share": summary["data_wait_frac"]}
+    return {"verdict": "compute-bound", "share": summary["compute_frac"]}
+
+
+def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
+    """Concrete advice from the measured shares and what is known of the input pipeline.
+
+    Args:
+        summary: A stage summary (:func:`summarize` plus :func:`verdict_of`).
+        context: ``plan`` (a :class:`~lightning_fastdata.plan.Plan` or None),
+            ``vram_fraction``, ``loader`` (``num_workers``, ``pin_memory``, ``kind``),
+            ``cores`` (CPU cores per local rank) and ``device_type``.
+    """
+    w, c, o = summary["data_wait_frac"], summary["compute_frac"], summary["overhead_frac"]
+    wait_ms, transfer_ms = summary["data_wait_ms_mean"], summary["transfer_ms_mean"]
+    plan, loader = context.get("plan"), context.get("loader") or {}
+    cores = int(context.get("cores") or 1)
+    cuda = context.get("device_type") == "cuda"
+    on_device = data_on_device(context)
+    host_bound = summary.get("verdict") == "host-bound"
+    idle = summary.get("gpu_idle_frac")
+    advice: list[str] = []
+    if host_bound:
+        parts = []
+        if on_device and w > 0:
+            parts.append(f"the batch gather and on-device augmentation take {wait_ms:.1f} ms a step ({w:.0%})")
+        if o > 0:
+            parts.append(f"framework overhead and the model's own launches {o:.0%}")
+        advice.append(f"host-bound: the GPU is idle {idle:.0%} of the time while the host launches work ("
+                      + "; ".join(parts) + "): fewer, larger launches help: a larger batch, CUDA graphs, "
+                      "torch.compile")
+    lead = f"data wait is {w:.0%} of the step"
+    if w >= DATA_ADVICE_FRAC:
+        strategy = getattr(plan, "strategy", None)
+        resources = getattr(plan, "resources", None)
+        store = int(getattr(plan, "store_nbytes", 0) or 0)
+        if on_device:
+            if not host_bound:
+                advice.append(f"{lead}, with the data already on the device: the wait is the batch gather and "
+                              f"on-device augmentation ({transfer_ms:.1f} of {wait_ms:.1f} ms): use a lighter "
+                              "train_augment or a larger batch")
+        elif strategy in ("workers", "chunked") and store and resources is not None:
+            vf = float(context.get("vram_fraction") or 0.6)
+            what = "GPU" if resources.device_type == "cuda" else "device"
+            total = resources.device_total
+            if store <= vf * total:
+                advice.append(f"{lead}; the store ({fmt_bytes(store)}) fits {vf:.0%} of this {what}'s "
+                              f"{fmt_bytes(total)}: set strategy=device")
+            else:
+                advice.append(f"{lead}; the store ({fmt_bytes(store)}) is more than {vf:.0%} of this "
+                              f"{what}'s {fmt_bytes(total)}, so it stays on the host")
+        nw = loader.get("num_workers")
+        if not on_device and nw is not None:
+            advice += _worker_advice(lead, nw, cores, plan is not None)
+            if cuda and not loader.get("pin_memory"):
+                advice.append("set pin_memory=True: host-to-device copies come from pageable memory")
+        if wait_ms > 0 and transfer_ms > 0.5 * wait_ms and strategy != "device":
+            advice.append(f"transfer and on-device augmentation take {transfer_ms:.1f} of the {wait_ms:.1f} ms "
+                          "wait: keep the data on the device (strategy=device) or lighten the augmentation")
+    if summary.get("verdict") == "compute-bound":
+        advice.append(f"compute-bound: compute is {c:.0%} of the step, data wait {w:.0%}; the input pipeline "
+                      "keeps up: speed now comes from the model (mixed precision, a larger batch, "
+                      "torch.compile)")
+    if o >= OVERHEAD_ADVICE_FRAC:
+        advice.append(f"framework overhead is {o:.0%} of the step (logging, callbacks, loop bookkeeping): "
+                      "raise log_every_n_steps or the batch size")
+    if idle is not None and idle >= DATA_ADVICE_FRAC and not host_bound:
+        advice.append(f"the GPU is idle {idle:.0%} of the time between steps")
+    return advice
+
+
+def _worker_advice(lead: str, nw: int, cores: int, planned: bool) -> list[str]:
+    if nw == 0:
+        fix = "" if planned else " or cache the preprocessing with OptimizedDataModule"
+        return [f"{lead}; batches are loaded in the main process (num_workers=0): set "
+                f"num_workers={max(1, cores - 1)}{fix}"]
+    if nw >= cores:
+        return [f"workers are saturated: {nw} of {cores} cores; more workers cannot help: cache the static "
+                "preprocessing (OptimizedDataModule) and move augmentation to the device"]
+    if nw + 1 >= cores:
+        return [f"workers are saturated: {nw} workers + the main process on {cores} cores; cache the static "
+                "preprocessing and move augmentation to the device"]
+    return [f"{lead}; {nw} workers on {cores} cores: raise num_workers to {cores - 1}"]
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The report as text: per stage, the figures, the verdict and the advice; then replay and trace."""
+    lines = ["lightning_fastdata profile"]
+    if report.get("timing") == "hooks":
+        lines.append("  timed with public batch hooks (Lightning's loop internals were not found): the wait "
+                     "includes other callbacks' batch-start work; overhead is not separated")
+    for name, s in report["stages"].items():
+        if not s["steps"]:
+            continue
+        lines.append(f"  {name}: {s['steps']} steps, step p50 {s['step_ms_p50']:.1f} ms "
+                     f"(p95 {s['step_ms_p95']:.1f}); data wait {s['data_wait_ms_mean']:.1f} ms "
+                     f"({s['data_wait_frac']:.0%}), compute {s['compute_ms_mean']:.1f} ms "
+                     f"({s['compute_frac']:.0%}), overhead {s['overhead_ms_mean']:.1f} ms "
+                     f"({s['overhead_frac']:.0%})"
+                     + (f", GPU idle {s['gpu_idle_frac']:.0%}" if "gpu_idle_frac" in s else ""))
+        lines.append(f"    verdict: {s['verdict']} ({s['share']:.0%})")
+        lines += [f"    - {a}" for a in s["advice"]]
+    r = report.get("replay")
+    if r:
+        line = f"  replay: compute-only step {r['step_ms']:.1f} ms over {r['steps']} steps"
+        if "real_step_ms" in r:
+            line += f"; real loader {r['real_step_ms']:.1f} ms ({r['slowdown']:.2f}x the speed of light)"
+        lines.append(line)
+    t = report.get("trace")
+    if t:
+        lines.append(f"  trace: {t['path']} (training steps {t['first_step']} to {t['last_step']}; open it in "
+                     "https://ui.perfetto.dev or chrome://tracing)")
+    return "\n".join(lines)
+
+
+def loader_info(loader: Any) -> dict[str, Any]:
+    """``kind``, ``num_workers``, ``pin_memory``, ``persistent_workers`` of a loader (first of several)."""
+    if isinstance(loader, Mapping):
+        loader = next(iter(loader.values()), None)
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    if loader is None:
+        return {}
+    kind = getattr(getattr(loader, "source", None), "kind", None)
+    if kind in ("device", "chunked"):  # the index loader over a device or chunked source
+        return {"kind": kind}
+    dl = getattr(loader, "dataloader", loader)
+    if not hasattr(dl, "num_workers"):
+        return {"kind": type(loader).__name__}
+    return {"kind": "dataloader", "num_workers": int(dl.num_workers),
+            "pin_memory": bool(getattr(dl, "pin_memory", False)),
+            "persistent_workers": bool(getattr(dl, "persistent_workers", False))}

@@ -1,0 +1,171 @@
+"""The profile as a picture: a Chrome trace (JSON trace event format) of a window of training steps.
+
+Opened by https://ui.perfetto.dev or chrome://tracing. One process per rank (``pid`` =
+global rank), one thread per lane (``tid``), one complete event (``"ph": "X"``, ``ts`` and
+``dur`` in microseconds of the profiler's clock) per span:
+
+* ``step``: the whole step, from the end of the previous one;
+* ``fetch``, ``transfer``: the loader's fetch and ``batch_to_device`` (timed from the end of
+  the fetch, as the data wait is); ``augment``: the datamodule's ``on_after_batch_transfer``,
+  which runs inside the transfer;
+* ``compute``: the step call (training_step, backward, optimizer step), less any fetch
+  inside it; on a GPU, the host's time in that call (launching the work);
+* ``overhead``: the rest of the step (callbacks' and the module's batch hooks, logging);
+  fetch + transfer + compute + overhead tile the step;
+* on a GPU, ``gpu compute`` and ``gpu idle`` from the step's CUDA events, placed on the
+  host's time line at the first traced step's compute start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_fastdata._util import atomic_write_text
+from lightning_fastdata.step_timer import COMPUTE, FETCH, IDLE, OVERHEAD, STEP, TRANSFER, Stage
+
+#: Lanes (``tid``) in display order; fetch, transfer, compute, overhead and idle share the row columns' numbers.
+AUGMENT, GPU_COMPUTE = 10, 11
+LANES = ((STEP, "step"), (FETCH, "fetch"), (TRANSFER, "transfer"), (AUGMENT, "augment"), (COMPUTE, "compute"),
+         (OVERHEAD, "overhead"), (GPU_COMPUTE, "gpu compute"), (IDLE, "gpu idle"))
+_NAMES = dict(LANES)
+
+
+@dataclass
+class TracedStep:
+    """What is known of one traced step when it ends; its row is complete once its CUDA events are read."""
+
+    index: int
+    row: Sequence[float]
+    start: float  # the step call's start (host clock)
+    end: float
+    spans: list[tuple[int, float, float]]  # (lane, t0, t1) of fetch, transfer, augment
+    events: tuple[Any, Any] | None = None  # (start, end) CUDA events on a GPU
+    gpu: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+class StepTrace:
+    """Collects the spans of training steps ``first`` to ``first + count - 1`` (0-based, over the fit).
+
+    Args:
+        path: Where the trace is written (rank r > 0 writes ``<stem>.rank<r><suffix>`` beside it).
+        first: The first traced training step.
+        count: How many steps are traced.
+    """
+
+    def __init__(self, path: str | os.PathLike, first: int, count: int) -> None:
+        self.path, self.first, self.count = Path(path), first, count
+        self.seen = 0  # training steps ended so far
+        self.steps: list[TracedStep] = []
+        self._open: list[tuple[int, float, float]] = []
+        self.written: Path | None = None
+        self._written_steps = 0
+        self._written_range: tuple[int, int] = (0, 0)
+
+    def span(self, lane: int, t0: float, t1: float) -> None:
+        """A span of the step running now (fetch, transfer, augment)."""
+        self._open.append((lane, t0, t1))
+
+    def step(self, stage: Stage, row: Sequence[float], start: float, now: float, start_event: Any) -> None:
+        """A step ended: keep it when it is a training step inside the window."""
+        spans, self._open = self._open, []
+        if stage.name != "train":
+            return
+        index = self.seen
+        self.seen += 1
+        if not self.first <= index < self.first + self.count:
+            return
+        prev_end = now - row[STEP]
+        kept = [s for s in spans if s[1] >= prev_end]
+        events = (start_event, stage.prev_event) if start_event is not None else None
+        self.steps.append(TracedStep(index, row, start, now, kept, events))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every step of the window has ended."""
+        return self.seen >= self.first + self.count
+
+    def rank_path(self, rank: int) -> Path:
+        """The file this rank writes."""
+        return self.path if rank == 0 else self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
+
+    def write(self, rank: int) -> Path | None:
+        """Write the steps traced so far (their CUDA events must have completed); None when there are none new."""
+        if not self.steps or len(self.steps) == self._written_steps:
+            return None
+        _place_gpu(self.steps)
+        trace = chrome_trace(self.steps, rank)
+        self.written = atomic_write_text(self.rank_path(rank), json.dumps(trace))
+        self._written_steps = len(self.steps)
+        self._written_range = (self.steps[0].index, self.steps[-1].index)
+        return self.written
+
+    def summary(self) -> dict[str, Any] | None:
+        """``path``, ``first_step``, ``last_step`` of the written trace, for the report; None before one is written."""
+        if self.written is None:
+            return None
+        first, last = self._written_range
+        return {"path": str(self.written), "first_step": first, "last_step": last}
+
+
+def _place_gpu(steps: list[TracedStep]) -> None:
+    """Device spans on the host time line: device times relative to the first traced start event."""
+    ref = next((s for s in steps if s.events is not None), None)
+    if ref is None:
+        return
+    anchor, ref_event = ref.start, ref.events[0]  # type: ignore[index]
+    for s in steps:
+        if s.events is None:
+            continue
+        start_ev, end_ev = s.events
+        t0 = anchor + ref_event.elapsed_time(start_ev) / 1e3
+        t1 = anchor + ref_event.elapsed_time(end_ev) / 1e3
+        s.gpu = [(GPU_COMPUTE, t0, t1)]
+        idle = s.row[IDLE]
+        if idle == idle and idle > 0:  # not NaN
+            s.gpu.append((IDLE, t0 - idle, t0))
+
+
+def host_spans(s: TracedStep) -> list[tuple[int, float, float]]:
+    """The host lanes of one step: step, fetch/transfer/augment, compute, and overhead filling the gaps."""
+    row = s.row
+    prev_end = s.end - row[STEP]
+    inner = sum(t1 - t0 for lane, t0, t1 in s.spans if lane in (FETCH, TRANSFER) and t0 >= s.start)
+    compute = row[COMPUTE] if s.events is None else (s.end - s.start) - inner
+    spans = [(STEP, prev_end, s.end), *s.spans, (COMPUTE, s.start, s.start + compute)]
+    # Overhead: what fetch, transfer and compute leave of the step.
+    covered = sorted((t0, t1) for lane, t0, t1 in spans if lane in (FETCH, TRANSFER, COMPUTE))
+    at = prev_end
+    for t0, t1 in covered:
+        if t0 > at:
+            spans.append((OVERHEAD, at, t0))
+        at = max(at, t1)
+    if s.end > at:
+        spans.append((OVERHEAD, at, s.end))
+    return spans
+
+
+def chrome_trace(steps: Sequence[TracedStep], rank: int) -> dict[str, Any]:
+    """The Chrome trace of ``steps`` as a JSON-able dict: metadata events, then spans sorted by time."""
+    meta: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                                   "args": {"name": f"rank {rank}"}}]
+    for order, (lane, name) in enumerate(LANES):
+        meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": lane, "args": {"name": name}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": lane,
+                     "args": {"sort_index": order}})
+    order_of = {lane: i for i, (lane, _) in enumerate(LANES)}
+    spans = []
+    for s in steps:
+        for lane, t0, t1 in [*host_spans(s), *s.gpu]:
+            spans.append((t0, order_of[lane], lane, t1, s.index))
+    spans.sort()
+    events = [{"name": _NAMES[lane] if lane != STEP else f"step {index}", "cat": "fastdata", "ph": "X",
+               "ts": 1e6 * t0, "dur": 1e6 * (t1 - t0), "pid": rank, "tid": lane, "args": {"step": index}}
+              for t0, _, lane, t1, index in spans]
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+            "otherData": {"producer": "lightning_fastdata", "rank": rank,
+                          "steps": [steps[0].index, steps[-1].index] if steps else []}}

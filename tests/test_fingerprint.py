@@ -1,0 +1,395 @@
+"""Fingerprint: what changes a cache (code, init arguments, files, random sources) and what does not."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _helpers import CountingDataset
+from torch.utils.data import Dataset, Subset
+
+from lightning_fastdata import OptimizedDataModule
+from lightning_fastdata import augment as A
+from lightning_fastdata.fingerprint import Canon, discover_files
+from lightning_fastdata.store import fingerprint
+
+
+class Indexed(Dataset):
+    """``n`` samples ``(image filled with i % 200, i)``; counts reads."""
+
+    def __init__(self, n: int = 64, size: int = 4) -> None:
+        self.n, self.size, self.calls = n, size, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        self.calls += 1
+        return torch.full((3, self.size, self.size), i % 200, dtype=torch.uint8), i
+
+
+class Counting(OptimizedDataModule):
+    """Counts static_transform calls; ``size`` is an init argument that shapes the data."""
+
+    def __init__(self, size: int = 4, n: int = 64, **kwargs) -> None:
+        kwargs.setdefault("progress", False)
+        kwargs.setdefault("device", "cpu")
+        super().__init__(**kwargs)
+        self.size, self.n = size, n
+        self.calls = 0
+
+    def source(self, split):
+        return Indexed(self.n, self.size) if split == "train" else None
+
+    def static_transform(self, sample):
+        self.calls += 1
+        return sample
+
+
+def _messages(record) -> list[str]:
+    return [str(w.message) for w in record if "lightning_fastdata" in str(w.message)]
+
+
+# --------------------------------------------------------------------------- code
+
+
+_EDITED = '''
+import torch
+from torch.utils.data import Dataset
+
+from lightning_fastdata import OptimizedDataModule
+
+
+class Samples(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((3, 4, 4), i, dtype=torch.uint8), i
+
+
+class Edited(OptimizedDataModule):
+    def source(self, split):
+        return Samples() if split == "train" else None
+
+    def static_transform(self, sample):
+        image, index = sample
+        {BODY}
+        return image, index
+'''
+
+
+def _write_module(path, name: str, text: str):
+    (path / f"{name}.py").write_text(text)
+    importlib.invalidate_caches()
+    if name in sys.modules:
+        return importlib.reload(sys.modules[name])
+    return importlib.import_module(name)
+
+
+def test_static_transform_edit_changing_only_sample_17_rebuilds_and_says_why(tmp_path, monkeypatch):
+    """Sample 17 is not a probe (64 samples: probes 0, 9, 18, ...): only the code hash can see the edit."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    cache = str(tmp_path / "cache")
+    mod = _write_module(tmp_path, "fp_edited", _EDITED.replace("{BODY}", "pass"))
+    first = mod.Edited(cache_dir=cache, device="cpu", progress=False)
+    first.prepare_data()
+    first.setup("fit")
+    assert int(first.stores["train"].fields[0][17].max()) == 17
+
+    mod = _write_module(tmp_path, "fp_edited", _EDITED.replace(
+        "{BODY}", "image = image + 100 if index == 17 else image  # the fix for sample 17"))
+    dm = mod.Edited(cache_dir=cache, device="cpu", progress=False)
+    with pytest.warns(UserWarning, match="fingerprint differs") as record:
+        dm.prepare_data()
+    (msg,) = _messages(record)
+    assert "code changed" in msg and "fp_edited.Edited.static_transform" in msg
+    assert "probe" not in msg  # the probes did not see it: the code did
+    dm.setup("fit")
+    store = dm.stores["train"]
+    assert int(store.fields[0][17].max()) == 117 and int(store.fields[0][16].max()) == 16
+    assert store.path != first.stores["train"].path and first.stores["train"].path.exists()  # old one kept
+    sys.modules.pop("fp_edited", None)
+
+
+def test_helper_reached_by_global_name_is_hashed_comments_are_not(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    template = textwrap.dedent('''
+        import math  # another module: named with its version, not hashed
+
+        SCALE = {SCALE}
+
+        def helper(x):
+            {COMMENT}
+            return x * SCALE
+
+        def transform(sample):
+            return helper(sample)
+    ''')
+
+    def digest(scale: str, comment: str = "") -> str:
+        mod = _write_module(tmp_path, "fp_helper", template.replace("{SCALE}", scale).replace("{COMMENT}", comment))
+        return Canon().callable(mod.transform)
+
+    base = digest("2")
+    assert digest("2", "# a comment only") == base  # bytecode, not text: comments do not rebuild
+    assert digest("3") != base  # a module constant the helper reads
+    mod = _write_module(tmp_path, "fp_helper", template.replace("{SCALE}", "2").replace("{COMMENT}", ""))
+    canon = Canon()
+    canon.callable(mod.transform)
+    assert set(canon.code) == {"fp_helper.helper", "fp_helper.transform"}
+    sys.modules.pop("fp_helper", None)
+
+
+_STABLE = """
+import sys
+sys.path.insert(0, {tests!r})
+from _helpers import CountingDataset
+from lightning_fastdata.store import fingerprint
+
+def transform(sample, names=frozenset({{"a", "b", "c"}})):
+    image, label = sample
+    if label in {{1, 2, 3}} and "a" in names:
+        image = image + 1
+    return image, label
+
+print(fingerprint(CountingDataset(20), transform, config={{"tags": {{"x", "y", "z"}}, "root": "data"}})[0])
+"""
+
+
+def test_fingerprint_is_the_same_in_every_process(tmp_path):
+    """Ranks must agree: set literals and hash randomisation must not move the digest."""
+    script = tmp_path / "fp_stable.py"
+    script.write_text(_STABLE.format(tests=os.path.dirname(__file__)))
+    digests = set()
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1
+
+
+def test_mutable_state_does_not_move_the_fingerprint():
+    """A counter in a closure, a counter and a lazily opened handle on the source: same digest after reads."""
+    seen: list[int] = []
+
+    def transform(sample):
+        seen.append(1)
+        return sample
+
+    class Lazy(CountingDataset):
+        def __getitem__(self, i):
+            self.handle = self.handle if getattr(self, "handle", None) else open(os.devnull, "rb")  # noqa: SIM115
+            return super().__getitem__(i)
+
+    ds = Lazy(12)
+    a = fingerprint(ds, transform)[0]
+    b = fingerprint(ds, transform)[0]
+    ds.handle.close()
+    assert a == b and len(seen) == 16 and ds.calls == 16
+
+
+# --------------------------------------------------------------------------- init arguments
+
+
+def test_loader_settings_do_not_change_the_fingerprint_init_arguments_do(cache_dir):
+    first = Counting(cache_dir=str(cache_dir))
+    first.prepare_data()
+    settings = dict(batch_size=3, eval_batch_size=2, strategy="workers", vram_fraction=0.3, shared_memory="off",
+                    num_workers=2, pin_memory=False, prefetch_factor=4, persistent_workers=True, shuffle=False,
+                    drop_last=True, seed=7, train_augment=A.RandomHorizontalFlip(), eval_augment=A.ToDtype(),
+                    progress=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rebuild warning
+        again = Counting(cache_dir=str(cache_dir), **settings)
+        again.prepare_data()
+    assert again.calls == 8  # only the probes: the cache was reused
+    resized = Counting(size=2, cache_dir=str(cache_dir))
+    with pytest.warns(UserWarning, match=r"config changed \(size: 4 -> 2\)"):
+        resized.prepare_data()
+    assert resized.calls == 64 + 2 * 8
+
+
+def test_two_projects_with_a_train_split_keep_both_caches(cache_dir):
+    class ProjectA(Counting):
+        pass
+
+    class ProjectB(Counting):
+        pass
+
+    a, b = ProjectA(cache_dir=str(cache_dir)), ProjectB(cache_dir=str(cache_dir))
+    a.prepare_data()
+    b.prepare_data()
+    a.setup("fit")
+    b.setup("fit")
+    pa, pb = a.stores["train"].path, b.stores["train"].path
+    assert pa.parent != pb.parent and pa.parent.parent == pb.parent.parent == cache_dir
+    assert pa.parent.name.endswith("ProjectA") and pb.parent.name.endswith("ProjectB")
+    again = ProjectA(cache_dir=str(cache_dir))
+    again.prepare_data()
+    assert again.calls == 8 and pa.exists() and pb.exists()
+
+
+# --------------------------------------------------------------------------- files
+
+
+class Folder(OptimizedDataModule):
+    """An ImageFolder of BMP files (fixed size on disk whatever the pixels)."""
+
+    def __init__(self, root: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.root = root
+
+    def source(self, split):
+        import torchvision
+
+        return torchvision.datasets.ImageFolder(f"{self.root}/{split}") if split == "train" else None
+
+    def static_transform(self, sample):
+        from torchvision.transforms.functional import pil_to_tensor
+
+        image, label = sample
+        return pil_to_tensor(image), label
+
+
+def _bmp(path, value: int) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (6, 6), (value, value, value)).save(path, format="BMP")
+
+
+def test_imagefolder_file_rewritten_in_place_with_the_same_size_rebuilds(tmp_path):
+    for c in range(2):
+        (tmp_path / "data" / "train" / f"class{c}").mkdir(parents=True)
+        for k in range(6):
+            _bmp(tmp_path / "data" / "train" / f"class{c}" / f"{k}.bmp", 10 * c + k)
+    kwargs = dict(root=str(tmp_path / "data"), cache_dir=str(tmp_path / "cache"), device="cpu", progress=False)
+    dm = Folder(**kwargs)
+    dm.prepare_data()
+    dm.setup("fit")
+    # sample 4 is not a probe (12 samples: probes 0, 2, 3, 5, ...): only its mtime can tell
+    path = dm.source("train").samples[4][0]
+    before = os.stat(path)
+    time.sleep(0.01)
+    _bmp(path, 250)
+    after = os.stat(path)
+    assert after.st_size == before.st_size and after.st_mtime_ns != before.st_mtime_ns
+    dm2 = Folder(**kwargs)
+    with pytest.warns(UserWarning, match="source files changed") as record:
+        dm2.prepare_data()
+    assert "a file was modified" in _messages(record)[0] and "probe" not in _messages(record)[0]
+    dm2.setup("fit")
+    assert int(dm2.stores["train"].fields[0][4].max()) == 250
+    assert dm2.stores["train"].meta["fingerprint_components"]["files"]["count"] == 12
+
+
+class LabelsFile(Dataset):
+    """Reads its labels from a text file it does not list as an attribute (only the hook can tell)."""
+
+    def __init__(self, path: str) -> None:
+        self._open = lambda: open(path)  # noqa: SIM115
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int):
+        with self._open() as f:
+            labels = [int(x) for x in f.read().split()]
+        return np.full((2,), i, np.uint8), labels[i]
+
+
+class Hooked(OptimizedDataModule):
+    def __init__(self, labels: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.labels = labels
+
+    def source(self, split):
+        return LabelsFile(self.labels) if split == "train" else None
+
+    def source_files(self, split):
+        return [self.labels]
+
+
+def test_source_files_hook_lists_what_the_source_reads(tmp_path):
+    labels = tmp_path / "labels.txt"
+    labels.write_text(" ".join("0" * 20))
+    kwargs = dict(labels=str(labels), cache_dir=str(tmp_path / "cache"), device="cpu", progress=False)
+    Hooked(**kwargs).prepare_data()
+    time.sleep(0.01)
+    labels.write_text(" ".join("0" * 10 + "1" + "0" * 9))  # sample 10 (not a probe) gets label 1
+    dm = Hooked(**kwargs)
+    with pytest.warns(UserWarning, match="source files changed"):
+        dm.prepare_data()
+    dm.setup("fit")
+    assert int(dm.stores["train"].fields[1][10]) == 1
+
+
+def test_discover_files_on_imagefolder_subset_and_lists(tmp_path):
+    import torchvision
+
+    for c in range(2):
+        (tmp_path / f"c{c}").mkdir()
+        for k in range(3):
+            _bmp(tmp_path / f"c{c}" / f"{k}.bmp", k)
+    folder = torchvision.datasets.ImageFolder(str(tmp_path))
+    expected = [p for p, _ in folder.samples]
+    assert discover_files(folder) == expected  # samples and imgs: listed once
+    assert discover_files(Subset(folder, [0, 1])) == expected
+
+    class Paths(Dataset):
+        def __init__(self):
+            self.files = [str(p) for p in sorted(tmp_path.glob("c0/*.bmp"))]
+            self.names = ["not", "paths"]
+
+    assert discover_files(Paths()) == [str(p) for p in sorted(tmp_path.glob("c0/*.bmp"))]
+    assert discover_files(CountingDataset(3)) == []
+
+
+# --------------------------------------------------------------------------- random sources
+
+
+class Noisy(Counting):
+    def static_transform(self, sample):
+        image, index = sample
+        return image + torch.randint(0, 2, image.shape, dtype=torch.uint8), index
+
+
+def test_random_static_transform_warns_once_naming_the_field(cache_dir):
+    dm = Noisy(cache_dir=str(cache_dir))
+    with pytest.warns(UserWarning) as record:
+        dm.prepare_data()
+    random = [m for m in _messages(record) if "differs between two reads" in m]
+    assert len(random) == 1
+    assert random[0].startswith("lightning_fastdata: field '0' of sample 0 differs between two reads of the same "
+                                "index: the source or static_transform is random")
+    assert "train_augment" in random[0] and "store=False" in random[0]
+
+
+def test_a_dataset_passed_as_an_init_argument_enters_by_class_length_and_construction_attributes(cache_dir):
+    class Given(OptimizedDataModule):
+        def __init__(self, dataset, **kwargs):
+            super().__init__(progress=False, device="cpu", **kwargs)
+            self.dataset = dataset
+
+        def source(self, split):
+            return self.dataset if split == "train" else None
+
+    ds = Indexed(30)
+    dm = Given(ds, cache_dir=str(cache_dir))
+    dm.prepare_data()  # ds.calls grows: the fingerprint must not move with it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.setup("fit")
+    assert len(list(dm.stores["train"].path.parent.glob("train-*"))) == 1
+    assert "Indexed[30]" in dm.stores["train"].meta["fingerprint_components"]["config"]["dataset"]
