@@ -174,6 +174,19 @@ def test_volumes_datamodule_caches_compact_fields_with_their_kinds(tmp_path):
         files = dm.source_files(split)
         assert len(files) == 2 * n and all(Path(f).is_file() for f in files)
     assert set(dm.source_files("train")).isdisjoint(dm.source_files("val"))
+    # The cache's fingerprint sees the NIfTI files: a changed training case rebuilds "train" only.
+    before = {s: st.fingerprint for s, st in dm.stores.items()}
+    dm.teardown("fit")
+    touched = dm.source_files("train")[0]
+    os.utime(touched, ns=(os.stat(touched).st_atime_ns, os.stat(touched).st_mtime_ns + 10**9))
+    again = Volumes(root=str(tmp_path / "set"), cases=5, val_cases=2, size=16, batch_size=2,
+                    cache_dir=str(tmp_path / "cache"), field_kinds=KINDS, device="cpu", progress=False)
+    with pytest.warns(UserWarning, match="source files changed"):
+        again.prepare_data()
+    again.setup("fit")
+    assert again.stores["train"].fingerprint != before["train"]
+    assert again.stores["val"].fingerprint == before["val"]
+    again.teardown("fit")
     assert dm.source("test") is None and dm.source_files("test") is None
     with pytest.raises(ValueError, match="val_cases"):
         Volumes(root=str(tmp_path / "set"), val_cases=0)
