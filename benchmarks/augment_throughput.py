@@ -28,6 +28,7 @@ import torchvision.transforms.v2 as T
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fastdata import augment as A
+from lightning_fastdata.keys import SampleKeys
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -81,13 +82,13 @@ def time_device(
     """Samples/s of one pass over ``images`` in batches, per repeat (after one warm-up pass)."""
     data = images.to(device)
     aug = device_pipeline(images.shape[-1])
-    g = torch.Generator(device=device).manual_seed(0)
     rates = []
     for r in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
         for a in range(0, data.shape[0], batch):
-            out = aug(data[a : a + batch], g)
+            x = data[a : a + batch]
+            out = aug(x, SampleKeys(0, r, torch.arange(a, a + x.shape[0], device=device)))
         _sync(device)
         if r:
             rates.append(data.shape[0] / (time.perf_counter() - t0))

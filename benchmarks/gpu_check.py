@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from lightning_fastdata.loaders import ChunkedLoader, DeviceLoader, ShardedOrder, place_fields
+from lightning_fastdata.loaders import IndexLoader, ShardedOrder
+from lightning_fastdata.placement import ChunkBuffers, ChunkedSource, DeviceSource, HostSource, place_fields
 from lightning_fastdata.store import Store
 
 DATASETS = {"cifar": (50000, (3, 32, 32), 256), "imagenet": (2000, (3, 224, 224), 64)}
@@ -40,12 +41,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_loader(store: Store, fields: list[torch.Tensor], bs: int) -> DeviceLoader:
-    return DeviceLoader(fields, store.spec, ShardedOrder(len(store), bs, seed=0))
+def _names(store: Store) -> list[str]:
+    return [i.name for i in store.infos]
 
 
-def chunked_loader(store: Store, device: torch.device, bs: int, chunk_mb: float) -> ChunkedLoader:
-    return ChunkedLoader(store, ShardedOrder(len(store), bs, seed=0), device=device, chunk_bytes=int(chunk_mb * 2**20))
+def device_loader(store: Store, fields: list[torch.Tensor], bs: int) -> IndexLoader:
+    return IndexLoader(DeviceSource(fields), ShardedOrder(len(store), bs, seed=0), store.spec, _names(store))
+
+
+def chunked_loader(store: Store, device: torch.device, bs: int, chunk_mb: float) -> IndexLoader:
+    buffers = ChunkBuffers.for_store(store, device, int(chunk_mb * 2**20), bs)
+    return IndexLoader(ChunkedSource(HostSource(list(store.fields)), buffers), ShardedOrder(len(store), bs, seed=0),
+                       store.spec, _names(store))
 
 
 def rate(make: Callable[[int], Iterable], n: int, device: torch.device, epochs: int) -> float:
@@ -77,13 +84,13 @@ def pinned_copy_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
     return nbytes / min(times) / 1e9
 
 
-def at_epoch(loader: DeviceLoader | ChunkedLoader, epoch: int) -> DeviceLoader | ChunkedLoader:
+def at_epoch(loader: IndexLoader, epoch: int) -> IndexLoader:
     loader.set_epoch(epoch)
     return loader
 
 
 def _full_rate(store: Store, bs: int, device: torch.device, epochs: int) -> float:
-    loader = device_loader(store, place_fields(store, device), bs)
+    loader = device_loader(store, place_fields(list(store.fields), device), bs)
     return rate(lambda e: at_epoch(loader, e), len(store), device, epochs)
 
 
@@ -94,17 +101,18 @@ def throughput(name: str, store: Store, bs: int, device: torch.device, args: arg
         torch.cuda.empty_cache()
     chunked = chunked_loader(store, device, bs, args.chunk_mb)
     streamed = rate(lambda e: at_epoch(chunked, e), n, device, args.epochs)
-    out = {"dataset": name, "store_MB": store.nbytes / 1e6, "batch_size": bs, "chunk_rows": chunked.rows,
+    out = {"dataset": name, "store_MB": store.nbytes / 1e6, "batch_size": bs, "chunk_rows": chunked.source.rows,
            "full_samples_s": full, "chunked_samples_s": streamed, "chunked_over_full": streamed / full}
-    print(f"{name:9s} store {store.nbytes / 1e6:7.1f} MB  bs {bs:4d}  chunk {chunked.rows:6d} rows | "
+    print(f"{name:9s} store {store.nbytes / 1e6:7.1f} MB  bs {bs:4d}  chunk {chunked.source.rows:6d} rows | "
           f"full preload {full:12,.0f} samples/s | chunked {streamed:12,.0f} samples/s | "
           f"chunked/full {streamed / full:6.2f}")
     if device.type == "cuda":
         effective = streamed * store.nbytes / n / 1e9
         plain = pinned_copy_gbps(device)
-        out.update(chunked_effective_GBps=effective, pinned_copy_GBps=plain, staging_pinned=chunked.buffers.pinned)
+        out.update(chunked_effective_GBps=effective, pinned_copy_GBps=plain,
+                   staging_pinned=chunked.source.buffers.pinned)
         print(f"{'':9s} H2D: chunked effective {effective:6.1f} GB/s (store bytes / epoch time, staging pinned: "
-              f"{chunked.buffers.pinned}) vs plain pinned copy {plain:6.1f} GB/s = {effective / plain:5.1%}")
+              f"{chunked.source.buffers.pinned}) vs plain pinned copy {plain:6.1f} GB/s = {effective / plain:5.1%}")
     chunked.close()
     return out
 
@@ -179,7 +187,7 @@ def resnet(store: Store, device: torch.device, args: argparse.Namespace) -> list
     print(f"ResNet-18 on {len(store)}x{tuple(store.infos[0].shape)} uint8, batch {bs}, {args.steps} steps "
           f"({'GPU idle from CUDA events' if device.type == 'cuda' else 'host wait for the next batch'}):")
     rows = []
-    fields = place_fields(store, device)
+    fields = place_fields(list(store.fields), device)
     rows.append(train_idle("device (full preload)", device_loader(store, fields, bs), args.steps, device))
     del fields
     chunked = chunked_loader(store, device, bs, args.chunk_mb)

@@ -13,10 +13,10 @@ random flip + crop(padding 4):
   stacks them (no per-sample ``__getitem__`` and collate);
 - ``workers``: :class:`~lightning_fastdata.loaders.WorkerLoader` reading whole batches
   from the store, then the batched augmentation;
-- ``device``: :class:`~lightning_fastdata.loaders.DeviceLoader` gathering batches from
-  the placed store, then ``Compose([RandomCrop, RandomHorizontalFlip])`` with a generator
-  seeded per batch exactly as ``OptimizedDataModule.augment_batch`` seeds it;
-- ``raw gather``: the ``DeviceLoader`` alone, in GB/s and as a fraction of the machine's
+- ``device``: :class:`~lightning_fastdata.loaders.IndexLoader` gathering batches from
+  the placed store, then ``Compose([RandomCrop, RandomHorizontalFlip])`` with per-sample
+  keys (``SampleKeys``) as ``OptimizedDataModule`` draws them;
+- ``raw gather``: the index loader alone, in GB/s and as a fraction of the machine's
   memcpy bandwidth (a torch copy into a preallocated buffer), measured two ways:
   store-sized (DRAM to DRAM, the usual "memcpy bandwidth") and batch-sized (contiguous
   batch-sized slices of the store into one reused batch buffer: the same bytes as a
@@ -57,8 +57,9 @@ from torchvision.transforms import v2
 from lightning_fastdata import augment as A
 from lightning_fastdata._util import cpu_count
 from lightning_fastdata.demo import worker_candidates
-from lightning_fastdata.loaders import DeviceLoader, ShardedOrder, WorkerLoader, place_fields
-from lightning_fastdata.seeding import derive_seed
+from lightning_fastdata.keys import SampleKeys
+from lightning_fastdata.loaders import FastBatch, IndexLoader, ShardedOrder, WorkerLoader
+from lightning_fastdata.placement import DeviceSource, HostSource, place_fields
 from lightning_fastdata.store import Store
 
 HERE = Path(__file__).resolve().parent
@@ -123,12 +124,10 @@ def train_augment(side: int) -> A.Compose:
     return A.Compose([A.RandomCrop(side, padding=4), A.RandomHorizontalFlip()])
 
 
-def augment_batch(batch: Any, augment: A.BatchTransform, epoch: int, step: int) -> Any:
-    """As ``OptimizedDataModule.augment_batch``: a generator per (seed, rank, epoch, step)."""
+def augment_batch(batch: FastBatch, augment: A.BatchTransform) -> Any:
+    """As ``OptimizedDataModule`` augments: keys of (seed, epoch, the samples' global indices)."""
     x, y = batch
-    g = torch.Generator(device=x.device)
-    g.manual_seed(derive_seed(SEED, stream="augment", rank=0, epoch=epoch, step=step))
-    return augment(x, g), y
+    return augment(x, SampleKeys(SEED, batch.epoch, batch.indices)), y
 
 
 # --------------------------------------------------------------------------- timing
@@ -240,15 +239,15 @@ def measure_workers(store: Store, side: int, bs: int, workers: list[int], seg: i
     by_workers = {}
     for w in workers:
         loader = WorkerLoader(ShardedOrder(len(store), bs, shuffle=True, drop_last=True, seed=SEED),
-                              store=store, num_workers=w, persistent_workers=w > 0,
+                              source=HostSource(list(store.fields)), spec=store.spec,
+                              names=[i.name for i in store.infos], num_workers=w, persistent_workers=w > 0,
                               pin_memory=device.type == "cuda")
 
         def stream(loader=loader) -> Iterator[Any]:
             def one(epoch: int) -> Iterator[Any]:
                 loader.set_epoch(epoch)
-                for step, (x, y) in enumerate(loader):
-                    batch = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    yield augment_batch(batch, aug, epoch, step)
+                for batch in loader:
+                    yield augment_batch(batch.to(device, non_blocking=True), aug)
             return epochs(one)
 
         it = stream()
@@ -260,14 +259,14 @@ def measure_workers(store: Store, side: int, bs: int, workers: list[int], seg: i
 
 def measure_device(fields: list[torch.Tensor], spec: dict, side: int, bs: int, seg: int, repeats: int,
                    device: torch.device, augment: bool) -> dict[str, Any]:
-    loader = DeviceLoader(fields, spec, ShardedOrder(fields[0].shape[0], bs, shuffle=True,
-                                                     drop_last=True, seed=SEED))
+    order = ShardedOrder(fields[0].shape[0], bs, shuffle=True, drop_last=True, seed=SEED)
+    loader = IndexLoader(DeviceSource(fields), order, spec, [str(k) for k in range(len(fields))])
     aug = train_augment(side)
 
     def one(epoch: int) -> Iterator[Any]:
         loader.set_epoch(epoch)
-        for step, batch in enumerate(loader):
-            yield augment_batch(batch, aug, epoch, step) if augment else batch
+        for batch in loader:
+            yield augment_batch(batch, aug) if augment else batch
 
     return summary(time_stream(epochs(one), seg, 3, repeats, _n, device))
 
@@ -282,7 +281,8 @@ def augment_us_per_sample(fields: list[torch.Tensor], side: int, bs: int, repeat
         _sync(device)
         t0 = time.perf_counter()
         for step in range(20):
-            augment_batch((x, None), aug, r, step)
+            rows = torch.arange(step * bs, (step + 1) * bs, device=device)
+            augment_batch(FastBatch.of((x, rows), rows, epoch=r, index=step), aug)
         _sync(device)
         times.append((time.perf_counter() - t0) / (20 * bs) * 1e6)
     return statistics.median(times[1:])
@@ -301,7 +301,7 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, threads
         n = QUICK_SAMPLES[name]
     images, labels = synthetic(n, side)
     store = Store.from_arrays((images, labels), fingerprint=f"synthetic-{name}")
-    fields = place_fields(store, device)
+    fields = place_fields(list(store.fields), device)
     sample_bytes = sum(int(f[0].numel()) * f.element_size() for f in fields)
     nb = n // bs
     # Segment length: about a quarter epoch (CIFAR) or one epoch (ImageNet) per timing.

@@ -22,7 +22,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import quiet_shared_hook_warnings
-from lightning_fastdata.augment import BatchTransform
+from lightning_fastdata.augment import Batch, BatchTransform
+from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import (
     BlockOrder,
     FastBatch,
@@ -584,17 +585,10 @@ class OptimizedDataModule(L.LightningDataModule):
         return unflatten(batch.spec, self._augmented_leaves(batch, augment, split))
 
     def _augmented_leaves(self, batch: FastBatch, augment: BatchTransform, split: str) -> list[Any]:
-        # TEMP bridge until the keyed augmentation API lands (branch augment).
-        from lightning_fastdata.seeding import derive_seed
-
-        kinds = self.kinds(split, batch.names)
-        name = next(n for n, k in kinds.items() if k == "image")
-        leaves = list(batch.leaves)
-        k = batch.names.index(name)
-        g = torch.Generator(device=leaves[k].device)
-        g.manual_seed(derive_seed(self.seed, stream=f"augment-{split}", epoch=batch.epoch, step=batch.index))
-        leaves[k] = augment(leaves[k], g)
-        return leaves
+        keys = SampleKeys(self.seed, batch.epoch, batch.indices, stream=SPLITS.index(split))
+        fields = dict(zip(batch.names, batch.leaves, strict=True))
+        out = augment(Batch(fields, self.kinds(split, batch.names), keys))
+        return [out.fields[name] for name in batch.names]
 
     # ------------------------------------------------------------------ field kinds
 

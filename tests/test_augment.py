@@ -1,400 +1,305 @@
-"""Batched augmentation: torchvision equality per sample, independence, distributions, format."""
+"""The augmentation API: Batch and kinds, Compose/RandomApply keys, joint image+mask
+augmentation (masks stay a pixelwise function of their image), and per-sample results that no
+batch size or batch composition changes, for every op."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
-import torchvision.transforms.v2 as T
-import torchvision.transforms.v2.functional as TF
+from _augment_util import both_paths, images, keys, within_binomial  # noqa: F401
 
 from lightning_fastdata import augment as A
+from lightning_fastdata.keys import SampleKeys
+
+# ----------------------------------------------------------------------------- every op
 
 
-def _gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _images(n: int = 6, shape=(3, 20, 24), dtype=torch.uint8, seed: int = 0) -> torch.Tensor:
-    x = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=_gen(seed))
-    return x if dtype == torch.uint8 else x.to(dtype) / 255
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    """uint8 within 1 (torch's fixed-point uint8 kernels round differently), floats within 1e-5."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    tol = 1.0 if a.dtype == torch.uint8 else 1e-5
-    assert (a.double() - b.double()).abs().max().item() <= tol
-
-
-def _ks(a, b) -> float:
-    """Two-sample Kolmogorov-Smirnov statistic."""
-    a, b = np.sort(np.asarray(a, float)), np.sort(np.asarray(b, float))
-    grid = np.concatenate([a, b])
-    return float(
-        np.abs(
-            np.searchsorted(a, grid, "right") / a.size - np.searchsorted(b, grid, "right") / b.size
-        ).max()
-    )
-
-
-def _ks_ok(a, b) -> bool:
-    # Critical value at alpha = 1e-4 (c = 2.15): a false alarm once in 10,000 runs.
-    n, m = len(a), len(b)
-    return _ks(a, b) < 2.15 * math.sqrt((n + m) / (n * m))
-
-
-def _tv_params(transform, n: int, shape=(3, 20, 24), seed: int = 1) -> list[dict]:
-    torch.manual_seed(seed)
-    img = torch.zeros(shape, dtype=torch.uint8)
-    return [transform.make_params([img]) for _ in range(n)]
-
-
-def _within_binomial(count: int, n: int, p: float, sigmas: float = 5.0) -> bool:
-    return abs(count - n * p) <= sigmas * math.sqrt(n * p * (1 - p)) + 1
-
-
-# ----------------------------------------------------------------------------- equality per sample
-
-
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-@pytest.mark.parametrize("antialias", [True, False])
-def test_random_resized_crop_equals_torchvision(dtype, antialias):
-    x = _images(4, dtype=dtype)
-    op = A.RandomResizedCrop((16, 12), antialias=antialias)
-    top, left = torch.tensor([0, 3, 5, 1]), torch.tensor([0, 2, 7, 10])
-    h, w = torch.tensor([20, 10, 4, 19]), torch.tensor([24, 5, 17, 14])
-    out = op.apply(x, top, left, h, w)
-    for i in range(4):
-        ref = TF.resized_crop(
-            x[i], int(top[i]), int(left[i]), int(h[i]), int(w[i]), [16, 12], antialias=antialias
-        )
-        _close(out[i], ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
-def test_random_affine_equals_torchvision(dtype, interpolation):
-    x = _images(4, dtype=dtype)
-    fill = [10.0, 20.0, 30.0] if dtype == torch.uint8 else [0.1, 0.2, 0.3]
-    op = A.RandomAffine(
-        30,
-        translate=(0.2, 0.2),
-        scale=(0.8, 1.2),
-        shear=(-10, 10, -5, 5),
-        interpolation=interpolation,
-        fill=fill,
-        center=(9.0, 8.0),
-    )
-    p = op.draw(4, 20, 24, x.device, _gen(3))
-    out = op.apply(x, **p)
-    for i in range(4):
-        ref = TF.affine(
-            x[i],
-            angle=float(p["angle"][i]),
-            translate=[float(p["tx"][i]), float(p["ty"][i])],
-            scale=float(p["scale"][i]),
-            shear=[float(p["shear_x"][i]), float(p["shear_y"][i])],
-            interpolation=T.InterpolationMode(interpolation),
-            fill=fill,
-            center=[9.0, 8.0],
-        )
-        _close(out[i], ref)
-
-
-@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
-def test_random_rotation_equals_torchvision(interpolation):
-    x = _images(4, dtype=torch.float32)
-    op = A.RandomRotation(40, interpolation=interpolation)
-    angle = torch.tensor([12.5, -33.0, 7.25, 20.0], dtype=torch.float64)
-    out = op.apply_angle(x, angle)
-    for i in range(4):
-        # The transform passes its fill (default 0) to F.rotate; the functional defaults to None.
-        ref = TF.rotate(
-            x[i], float(angle[i]), interpolation=T.InterpolationMode(interpolation), fill=0
-        )
-        _close(out[i], ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-def test_color_jitter_equals_torchvision(dtype):
-    x = _images(6, dtype=dtype)
-    op = A.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4)
-    order, factors = op.draw(6, x.device, _gen(1))
-    out = op.apply(x, order, factors)
-    fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]
-    for i in range(6):
-        ref = x[i]
-        for k in order[i].tolist():
-            ref = fns[k](ref, float(factors[i, k]))
-        _close(out[i], ref)
-
-
-def test_color_jitter_skips_absent_adjustments():
-    # Only brightness: float values above 1 survive the (absent) contrast/saturation clamps.
-    x = torch.full((2, 3, 4, 4), 0.5)
-    op = A.ColorJitter(brightness=(2.0, 2.0))
-    out = op(x, _gen())
-    assert torch.allclose(out, TF.adjust_brightness(x, 2.0))
-
-
-@pytest.mark.parametrize("value", [0.0, (0.2, 0.4, 0.6)])
-def test_random_erasing_equals_torchvision(value):
-    x = _images(5, dtype=torch.float32)
-    op = A.RandomErasing(p=1.0, value=value)
-    erase, top, left, h, w = op.draw(5, 20, 24, x.device, _gen(2))
-    out = op.apply(x, erase, top, left, h, w)
-    v = torch.tensor([value] if isinstance(value, float) else value)[:, None, None]
-    for i in range(5):
-        ref = (
-            TF.erase(x[i], int(top[i]), int(left[i]), int(h[i]), int(w[i]), v) if erase[i] else x[i]
-        )
-        _close(out[i], ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-def test_gaussian_noise_equals_torchvision(dtype):
-    x = _images(1, dtype=dtype)
-    out = A.GaussianNoise(mean=0.05, sigma=0.2)(x, _gen(9))
-    torch.manual_seed(9)  # torchvision draws from the global generator
-    ref = TF.gaussian_noise(x[0], mean=0.05, sigma=0.2)
-    _close(out[0], ref)
-
-
-def test_crop_flip_normalize_equal_torchvision():
-    x = _images(4)
-    crop = A.RandomCrop(16, padding=2, fill=7)
-    oy, ox = crop.draw(x, _gen(4))
-    out = crop(x, _gen(4))
-    for i in range(4):
-        padded = TF.pad(x[i], [2], fill=7)
-        _close(out[i], TF.crop(padded, int(oy[i]), int(ox[i]), 16, 16))
-    flip = A.RandomHorizontalFlip(p=0.5)
-    mask = flip.draw(4, x.device, _gen(5))
-    out = flip(x, _gen(5))
-    for i in range(4):
-        _close(out[i], TF.horizontal_flip(x[i]) if mask[i] else x[i])
-    mean, std = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
-    out = A.Normalize(mean, std)(x)
-    _close(out, TF.normalize(x.float() / 255, mean, std))
-    _close(A.ToDtype("float32")(x), TF.to_dtype(x, torch.float32, scale=True))
-
-
-def test_compose_fused_crop_flip_equals_the_ops_in_sequence():
-    x = _images(8)
-    crop, flip = A.RandomCrop(16, padding=2), A.RandomHorizontalFlip()
-    fused = A.Compose([crop, flip])(x, _gen(6))
-    g = _gen(6)
-    oy, ox = crop.draw(x, g)
-    mask = flip.draw(8, x.device, g)
-    for i in range(8):
-        ref = TF.crop(TF.pad(x[i], [2]), int(oy[i]), int(ox[i]), 16, 16)
-        _close(fused[i], TF.horizontal_flip(ref) if mask[i] else ref)
-
-
-# ----------------------------------------------------------------------------- batch properties
-
-
-def _all_ops():
+def _ops_2d():
     return [
+        A.RandomCrop(12, padding=2),
+        A.RandomHorizontalFlip(),
+        A.RandomFlip(dims=(-2, -1)),
+        A.RandomRot90(),
         A.RandomResizedCrop(12),
-        A.RandomAffine(
-            25, translate=(0.1, 0.1), scale=(0.9, 1.1), shear=5, interpolation="bilinear"
-        ),
+        A.RandomAffine(25, translate=(0.1, 0.1), scale=(0.9, 1.1), shear=5, interpolation="bilinear"),
         A.RandomRotation(30, interpolation="bilinear"),
         A.ColorJitter(0.4, 0.4, 0.4),
         A.RandomErasing(p=1.0),
         A.GaussianNoise(sigma=0.1),
         A.RandomApply([A.ColorJitter(0.5, 0.5)], p=0.5),
-        A.RandomCrop(12, padding=2),
-        A.RandomHorizontalFlip(),
+        A.RandomScaleIntensity(0.3),
+        A.RandomShiftIntensity(0.3),
+        A.RandomAdjustContrast(),
+        A.Compose([A.RandomCrop(12, padding=2), A.RandomHorizontalFlip(), A.Normalize([0.5] * 3, [0.2] * 3)]),
     ]
 
 
-@pytest.mark.parametrize("op", _all_ops(), ids=lambda o: type(o).__name__)
-def test_identical_images_come_out_varied(op):
-    x = _images(1, dtype=torch.float32, shape=(3, 16, 16)).expand(32, -1, -1, -1).contiguous()
-    out = op(x, _gen(11))
+def _ops_3d():
+    return [
+        A.RandomCrop((4, 6, 6), padding=1),
+        A.RandomFlip(dims=(-3, -2, -1)),
+        A.RandomRot90(dims=(-3, -1)),
+        A.RandomAffine(30, translate=(0.1, 0.1, 0.1), scale=(0.9, 1.1), axes=(-3, -2), interpolation="bilinear"),
+        A.RandomCropByLabel((4, 4, 4), label="label"),
+        A.ScaleIntensityRange(-1000, 1000, clip=True),
+        A.RandomScaleIntensity(0.2),
+        A.RandomShiftIntensity(0.2),
+        A.RandomAdjustContrast(),
+        A.GaussianNoise(sigma=0.1, clip=False),
+        A.RandomApply([A.RandomFlip(dims=(-3,)), A.GaussianNoise(clip=False)], p=0.5),
+        A.Compose([A.RandomCropByLabel(6, label="label"), A.RandomFlip((-3, -2, -1)), A.RandomRot90(),
+                   A.ScaleIntensityRange(-1000, 1000), A.RandomScaleIntensity(0.1)]),
+    ]
+
+
+def _name(op) -> str:
+    return type(op).__name__
+
+
+def _batch_2d(index: torch.Tensor, dtype=torch.float32) -> A.Batch:
+    """Samples that depend only on their global index (so any batch can be rebuilt)."""
+    img = torch.stack([images(1, shape=(3, 16, 16), dtype=dtype, seed=int(i))[0] for i in index])
+    mask = (img[:, 0] > (128 if dtype == torch.uint8 else 0.5)).to(torch.int64)
+    return A.Batch({"image": img, "mask": mask, "index": index.clone()}, {"image": "image", "mask": "mask"},
+                   SampleKeys(7, 2, index))
+
+
+def _batch_3d(index: torch.Tensor) -> A.Batch:
+    vol = torch.stack([torch.randint(-1000, 1000, (1, 8, 8, 8), generator=torch.Generator().manual_seed(int(i)),
+                                     dtype=torch.int16) for i in index])
+    label = (vol > 600).to(torch.uint8)
+    return A.Batch({"image": vol.float(), "label": label}, {"image": "image", "label": "mask"},
+                   SampleKeys(7, 2, index))
+
+
+@pytest.mark.parametrize("op, spatial_dims", [(o, 2) for o in _ops_2d()] + [(o, 3) for o in _ops_3d()],
+                         ids=lambda v: _name(v) if not isinstance(v, int) else f"{v}d")
+@pytest.mark.usefixtures("both_paths")
+def test_a_sample_gets_the_same_pixels_whatever_its_batch(op, spatial_dims):
+    """Batches of 8 and 16 in another order: each sample's output is bit-identical."""
+    make = _batch_3d if spatial_dims == 3 else _batch_2d
+    small_idx = torch.tensor([3, 17, 5, 40, 8, 2, 29, 11])
+    big_idx = torch.tensor([29, 50, 11, 3, 61, 8, 44, 40, 2, 33, 5, 70, 17, 21, 9, 13])
+    small, big = op(make(small_idx)), op(make(big_idx))
+    pos = {int(v): i for i, v in enumerate(big_idx)}
+    for i, idx in enumerate(small_idx.tolist()):
+        for name in small.names("image", "mask"):
+            a, b = small.fields[name][i], big.fields[name][pos[idx]]
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{_name(op)}: sample {idx}, field {name}"
+    # and two different samples, or one sample in two epochs, differ
+    assert not torch.equal(small.fields["image"][0], small.fields["image"][1])
+
+
+@pytest.mark.parametrize("op", _ops_2d(), ids=_name)
+def test_identical_images_come_out_varied_and_epochs_differ(op):
+    x = images(1, dtype=torch.float32, shape=(3, 16, 16)).expand(32, -1, -1, -1).contiguous()
+    if isinstance(op, A.Compose):
+        return
+    out = op(x, keys(32, seed=11))
     distinct = {tuple(o.flatten().tolist()) for o in out}
-    possible = 2 if isinstance(op, A.RandomHorizontalFlip) else 8  # a flip has two outcomes
+    possible = 2 if isinstance(op, A.RandomHorizontalFlip) else 4 if isinstance(op, (A.RandomFlip, A.RandomRot90)) \
+        else 8
     assert len(distinct) >= possible, f"{op!r}: only {len(distinct)} distinct outputs out of 32"
+    assert not torch.equal(out, op(x, keys(32, seed=11, epoch=1))), "two epochs gave the same batch"
 
 
-@pytest.mark.parametrize("op", _all_ops(), ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("op", _ops_2d(), ids=_name)
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-def test_only_the_given_generator_is_used_and_formats_are_kept(op, dtype):
-    x = _images(4, dtype=dtype, shape=(3, 16, 16)).contiguous(memory_format=torch.channels_last)
+def test_ops_are_pure_functions_of_the_keys_and_keep_formats(op, dtype):
+    x = images(4, dtype=dtype, shape=(3, 16, 16)).contiguous(memory_format=torch.channels_last)
+    if dtype == torch.uint8 and isinstance(op, (A.RandomScaleIntensity, A.RandomShiftIntensity,
+                                               A.RandomAdjustContrast, A.Compose)):
+        return  # intensity ops return floats; covered with float input
+    before = x.clone()
     state = torch.get_rng_state()
-    a, b = op(x, _gen(3)), op(x, _gen(3))
+    a, b = op(x, keys(4, seed=3)), op(x, keys(4, seed=3))
     assert torch.equal(torch.get_rng_state(), state), "the global generator was used"
-    assert torch.equal(a, b), "same generator seed, different output"
+    assert torch.equal(a, b), "same keys, different output"
+    assert torch.equal(x, before), "the input was modified"
     assert a.dtype == dtype
     assert a.is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize(
-    # GaussianNoise is left out: its noise is drawn per pixel, frames included, by definition.
-    "op",
-    [o for o in _all_ops() if not isinstance(o, A.GaussianNoise)],
-    ids=lambda o: type(o).__name__,
-)
-def test_leading_dims_share_the_sample_draw(op):
-    frame = _images(3, dtype=torch.float32, shape=(3, 16, 16))
-    video = torch.stack([frame, frame], dim=1)  # (N, T=2, C, H, W): two identical frames
-    out = op(video, _gen(5))
+@pytest.mark.parametrize("op", [o for o in _ops_2d() if not isinstance(o, (A.GaussianNoise, A.RandomErasing))],
+                         ids=_name)
+def test_video_frames_share_the_sample_draw(op):
+    """(N, T, C, H, W) with spatial_dims=2: every frame of a sample gets its parameters."""
+    frame = images(3, dtype=torch.float32, shape=(3, 16, 16))
+    video = torch.stack([frame, frame], dim=1)
+    out = op(A.Batch({"video": video}, {"video": "image"}, keys(3, seed=5), spatial_dims=2)).fields["video"]
     assert out.shape[:2] == (3, 2)
     assert torch.equal(out[:, 0], out[:, 1]), "frames of one sample got different parameters"
-    assert torch.allclose(out[:, 0], op(frame, _gen(5)), atol=1e-6)
+    assert torch.allclose(out[:, 0], op(frame, keys(3, seed=5)), atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "op",
-    [
-        A.RandomResizedCrop(12),
-        A.RandomAffine(20, interpolation="bilinear"),
-        A.ColorJitter(0.4, 0.4, 0.4),
-    ],
-    ids=lambda o: type(o).__name__,
-)
-def test_cpu_chunking_changes_nothing(op, monkeypatch):
-    x = _images(7, shape=(3, 16, 16)).contiguous(memory_format=torch.channels_last)
-    whole = op(x, _gen(12))
-    monkeypatch.setattr(A, "_CPU_CHUNK_ELEMENTS", 2 * x[0].numel())  # chunks of 2 samples
-    chunked = op(x, _gen(12))
-    assert torch.equal(whole, chunked)
-    assert chunked.is_contiguous(memory_format=torch.channels_last)
+# ----------------------------------------------------------------------------- joint image + mask
 
 
-# ----------------------------------------------------------------------------- distributions
+def _exact_geometric_2d():
+    return [A.RandomCrop(10, padding=3), A.RandomHorizontalFlip(), A.RandomFlip((-2, -1)), A.RandomRot90(),
+            A.RandomCropByLabel(8, pos=1, neg=1, label="mask"), A.RandomAffine(40, translate=(0.2, 0.2)),
+            A.RandomRotation(60)]
 
 
-def test_flip_rate_within_binomial_bounds():
-    n = 10_000
-    for p in (0.5, 0.1):
-        flips = int(A.RandomHorizontalFlip(p).draw(n, torch.device("cpu"), _gen(1)).sum())
-        assert _within_binomial(flips, n, p)
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.usefixtures("both_paths")
+def test_mask_stays_a_pixelwise_function_of_the_image_2d(seed):
+    """mask = image > t before; after any composition of crops, flips, quarter turns and label
+    crops (and nearest affine maps, fill 0), still mask == augmented image > t, every sample."""
+    g = torch.Generator().manual_seed(seed)
+    img = torch.randint(0, 256, (16, 2, 14, 14), dtype=torch.uint8, generator=g)
+    mask = (img[:, :1] > 150).to(torch.int64)
+    ops = _exact_geometric_2d()
+    pick = torch.randperm(len(ops), generator=g)[:4].tolist()
+    pipeline = A.Compose([ops[i] for i in pick])
+    if not any(isinstance(ops[i], (A.RandomCropByLabel,)) for i in pick):
+        pipeline = A.Compose([A.RandomCropByLabel(10, label="mask"), pipeline])
+    batch = A.Batch({"image": img, "mask": mask}, {"image": "image", "mask": "mask"}, keys(16, seed=seed))
+    out = pipeline(batch)
+    assert torch.equal(out.fields["mask"], (out.fields["image"][:, :1] > 150).to(torch.int64)), pipeline
 
 
-def test_random_crop_offsets_are_uniform():
-    n = 10_000
-    oy, ox = A.RandomCrop(12, padding=2).draw(torch.zeros(n, 1, 16, 16), _gen(2))
-    for offs in (oy, ox):
-        counts = torch.bincount(offs, minlength=9)
-        assert counts.numel() == 9
-        assert all(_within_binomial(int(c), n, 1 / 9) for c in counts)
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.usefixtures("both_paths")
+def test_mask_stays_a_voxelwise_function_of_the_volume_3d(seed):
+    g = torch.Generator().manual_seed(seed)
+    vol = torch.randint(-1000, 1000, (6, 1, 9, 10, 10), dtype=torch.int16, generator=g)
+    label = (vol > 700).to(torch.uint8)
+    ops = [A.RandomCrop((8, 8, 8), padding=(1, 2, 0)), A.RandomFlip((-3, -2, -1)), A.RandomRot90((-2, -1)),
+           A.RandomRot90((-3, -2)), A.RandomCropByLabel(6, pos=3, neg=1), A.RandomHorizontalFlip(),
+           A.RandomAffine(90, axes=(-3, -1))]
+    pick = torch.randperm(len(ops), generator=g)[:4].tolist()
+    pipeline = A.Compose([A.RandomCrop(8)] + [ops[i] for i in pick])
+    batch = A.Batch({"image": vol, "label": label}, {"image": "image", "label": "mask"}, keys(6, seed=seed))
+    out = pipeline(batch)
+    assert torch.equal(out.fields["label"], (out.fields["image"] > 700).to(torch.uint8)), pipeline
 
 
-def test_random_resized_crop_parameters_match_torchvision():
-    n = 4000
-    for shape in ((3, 20, 24), (3, 10, 40)):  # the second often falls back to the central crop
-        top, left, h, w = A.RandomResizedCrop(8).draw(
-            n, shape[1], shape[2], torch.device("cpu"), _gen(3)
-        )
-        ref = _tv_params(T.RandomResizedCrop(8), n, shape)
-        for ours, key in ((top, "top"), (left, "left"), (h, "height"), (w, "width")):
-            assert _ks_ok(ours.numpy(), [r[key] for r in ref]), (shape, key)
+@pytest.mark.parametrize("op", [A.RandomCrop(10, padding=2), A.RandomFlip((-2, -1)), A.RandomRot90(),
+                                A.RandomAffine(30, translate=(0.2, 0.1), scale=(0.8, 1.2), shear=10),
+                                A.RandomRotation(45), A.RandomResizedCrop(12)], ids=_name)
+def test_geometric_ops_give_masks_the_image_parameters(op):
+    """An integer mask equal to the image's first channel moves exactly as the image does
+    (nearest-neighbour images; RandomResizedCrop resizes images bilinearly, so compare with its
+    nearest resize of the image)."""
+    img = torch.randint(0, 200, (8, 3, 14, 14), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batch = A.Batch({"image": img, "mask": img[:, 0].long(), "y": torch.arange(8)},
+                    {"image": "image", "mask": "mask"}, keys(8, seed=2))
+    out = op(batch)
+    assert out.fields["y"] is batch.fields["y"]
+    if isinstance(op, A.RandomResizedCrop):
+        again = op.apply(A.Batch({"m": img[:, 0].long()}, {"m": "mask"}, spatial_dims=2), **op.draw(batch))
+        assert torch.equal(out.fields["mask"], again.fields["m"])
+        return
+    assert torch.equal(out.fields["mask"], out.fields["image"][:, 0].long())
 
 
-def test_random_affine_parameters_match_torchvision():
-    n = 4000
-    kw = dict(degrees=(-20, 35), translate=(0.2, 0.1), scale=(0.7, 1.3), shear=(-10, 10, -4, 6))
-    p = A.RandomAffine(**kw).draw(n, 20, 24, torch.device("cpu"), _gen(4))
-    ref = _tv_params(T.RandomAffine(**kw), n)
-    cols = {
-        "angle": [r["angle"] for r in ref],
-        "tx": [r["translate"][0] for r in ref],
-        "ty": [r["translate"][1] for r in ref],
-        "scale": [r["scale"] for r in ref],
-        "shear_x": [r["shear"][0] for r in ref],
-        "shear_y": [r["shear"][1] for r in ref],
-    }
-    for key, theirs in cols.items():
-        assert _ks_ok(p[key].numpy(), theirs), key
-    assert set(p["tx"].tolist()) <= set(range(-5, 6)), (
-        "translations are whole pixels as in torchvision"
-    )
-    angle = A.RandomRotation((-10, 50)).draw(n, 20, 24, torch.device("cpu"), _gen(5))["angle"]
-    assert _ks_ok(angle.numpy(), [r["angle"] for r in _tv_params(T.RandomRotation((-10, 50)), n)])
+def test_fields_must_be_aligned_and_batches_well_formed():
+    img, mask = torch.zeros(2, 3, 8, 8), torch.zeros(2, 8, 9)
+    with pytest.raises(ValueError, match="'image' and 'mask' have spatial sizes"):
+        A.Batch({"image": img, "mask": mask}, {"image": "image", "mask": "mask"})
+    with pytest.raises(ValueError, match="2 and 3 samples"):
+        A.Batch({"image": img, "mask": torch.zeros(3, 8, 8)}, {"image": "image", "mask": "mask"})
+    with pytest.raises(ValueError, match="kinds are"):
+        A.Batch({"image": img}, {"image": "picture"})
+    with pytest.raises(ValueError, match="not among the fields"):
+        A.Batch({"image": img}, {"image": "image", "label": "mask"})
+    with pytest.raises(ValueError, match="keys have 5"):
+        A.Batch({"image": img}, keys=keys(5))
+    with pytest.raises(ValueError, match="give spatial_dims"):
+        A.Batch({"image": torch.zeros(2, 2, 3, 8, 8, 8)})
+    with pytest.raises(TypeError, match="ragged"):
+        A.Batch({"image": [torch.zeros(3, 8, 8)]}, spatial_dims=2)
+    with pytest.raises(ValueError, match="spatial_dims=2"):
+        A.RandomCrop(4)(torch.zeros(2, 8, 8))
+    with pytest.raises(TypeError, match="SampleKeys, not a torch.Generator"):
+        A.RandomCrop(4)(torch.zeros(2, 1, 8, 8), torch.Generator())
+    b = A.Batch({"image": img, "label": torch.zeros(2, 8, 8)}, {"label": "mask", "image": "image"})
+    assert b.spatial_dims == 2 and b.spatial_size == (8, 8) and b.names("mask") == ["label"]
+    assert torch.equal(b.keys.index, torch.arange(2)) and "label: mask" in repr(b)
 
 
-def test_color_jitter_parameters_match_torchvision():
-    n = 6000
-    order, factors = A.ColorJitter(0.4, (0.5, 1.2), 0.8).draw(n, torch.device("cpu"), _gen(6))
-    ref = _tv_params(T.ColorJitter(0.4, (0.5, 1.2), 0.8), n)
-    for k, key in enumerate(("brightness_factor", "contrast_factor", "saturation_factor")):
-        assert _ks_ok(factors[:, k].numpy(), [r[key] for r in ref]), key
-    # Every order of the three adjustments is equally likely (torchvision: randperm).
-    codes = (order * torch.tensor([9, 3, 1])).sum(1)
-    counts = torch.unique(codes, return_counts=True)[1]
-    assert counts.numel() == 6 and all(_within_binomial(int(c), n, 1 / 6) for c in counts)
+# ----------------------------------------------------------------------------- Compose and RandomApply
 
 
-def test_random_erasing_parameters_match_torchvision():
-    n = 4000
-    erase, top, left, h, w = A.RandomErasing(p=1.0).draw(n, 20, 24, torch.device("cpu"), _gen(7))
-    ref = [r for r in _tv_params(T.RandomErasing(p=1.0), n) if r["v"] is not None]
-    sel = erase.numpy()
-    assert _within_binomial(int(sel.sum()), n, len(ref) / n, sigmas=6)
-    for ours, key in ((top, "i"), (left, "j"), (h, "h"), (w, "w")):
-        assert _ks_ok(ours.numpy()[sel], [r[key] for r in ref]), key
-    rate = int(A.RandomErasing(p=0.3).draw(10_000, 20, 24, torch.device("cpu"), _gen(8))[0].sum())
-    assert _within_binomial(rate, 10_000, 0.3 * sel.mean(), sigmas=6)
+def test_compose_gives_each_op_its_child_keys():
+    x = images(6, dtype=torch.float32)
+    k = keys(6, seed=4)
+    ops = [A.RandomAffine(20), A.ColorJitter(0.4, 0.4, 0.4), A.RandomErasing(p=1.0)]
+    out = A.Compose(ops)(x, k)
+    ref = x
+    for i, op in enumerate(ops):
+        ref = op(ref, k.child(i))
+    assert torch.equal(out, ref)
+    # an op's draws depend on its position, not on the ops before it
+    a = A.Compose([A.RandomHorizontalFlip(), A.RandomAffine(20)]).transforms[1].draw(x, k.child(1))
+    b = A.Compose([A.ColorJitter(0.1), A.RandomAffine(20)]).transforms[1].draw(x, k.child(1))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    nested = A.Compose([A.Compose([A.RandomAffine(20)])])(x, k)
+    assert torch.equal(nested, A.RandomAffine(20)(x, k.child(0).child(0)))
 
 
-def test_gaussian_noise_moments():
-    x = torch.full((100, 3, 10, 10), 0.5)
-    noise = A.GaussianNoise(mean=0.02, sigma=0.05, clip=False)(x, _gen(9)) - 0.5
-    assert abs(noise.mean().item() - 0.02) < 0.002 and abs(noise.std().item() - 0.05) < 0.002
+def test_compose_applies_plain_callables_to_image_fields():
+    x = images(2, dtype=torch.float32)
+    mask = torch.ones(2, 20, 24, dtype=torch.int64)
+    out = A.Compose([lambda t: t * 2])(A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"}))
+    assert torch.equal(out.fields["image"], x * 2) and out.fields["mask"] is mask
 
 
+@pytest.mark.usefixtures("both_paths")
 def test_random_apply_rate_and_untouched_samples():
     n = 10_000
     op = A.RandomApply([A.GaussianNoise(sigma=0.1, clip=False)], p=0.25)
     x = torch.full((n, 1, 2, 2), 0.5)
-    out = op(x, _gen(10))
+    out = op(x, keys(n, seed=10))
     changed = (out != x).flatten(1).any(1)
-    assert _within_binomial(int(changed.sum()), n, 0.25)
+    assert within_binomial(int(changed.sum()), n, 0.25)
     assert torch.equal(out[~changed], x[~changed])
+    assert torch.equal(changed, op.draw(x, keys(n, seed=10))["apply"])
 
 
-# ----------------------------------------------------------------------------- configuration
+@pytest.mark.usefixtures("both_paths")
+def test_random_apply_chosen_samples_get_their_own_parameters():
+    x = images(12, dtype=torch.float32)
+    mask = (x[:, 0] > 0.5).long()
+    batch = A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"}, keys(12, seed=1))
+    inner = [A.RandomAffine(30), A.ColorJitter(0.5, 0.5)]
+    op = A.RandomApply(inner, p=0.5)
+    out = op(batch)
+    chosen = op.draw(batch)["apply"]
+    full = A.Compose(inner)(batch)  # every sample transformed with the same child keys
+    for name in ("image", "mask"):
+        ref = torch.where(chosen.view(-1, *[1] * (x.ndim - 1 if name == "image" else mask.ndim - 1)),
+                          full.fields[name], batch.fields[name])
+        assert torch.equal(out.fields[name], ref)
 
 
-@pytest.mark.parametrize(
-    "make, match",
-    [
-        (lambda: A.RandomResizedCrop(0), "size"),
-        (lambda: A.RandomResizedCrop(8, scale=(0.5, 0.1)), "scale"),
-        (lambda: A.RandomResizedCrop(8, ratio=(0, 1)), "ratio"),
-        (lambda: A.RandomAffine(10, translate=(1.5, 0)), "translate"),
-        (lambda: A.RandomAffine(10, scale=(0, 1)), "scale"),
-        (lambda: A.RandomAffine(10, shear=(1, 2, 3)), "shear"),
-        (lambda: A.RandomAffine(10, interpolation="bicubic"), "interpolation"),
-        (lambda: A.RandomRotation(-5), "degrees"),
-        (lambda: A.ColorJitter(brightness=-0.1), "brightness"),
-        (lambda: A.ColorJitter(contrast=(1.5, 0.5)), "contrast"),
-        (lambda: A.RandomErasing(p=2), "p"),
-        (lambda: A.RandomErasing(value="noise"), "value"),
-        (lambda: A.GaussianNoise(sigma=-1), "sigma"),
-        (lambda: A.RandomApply([A.GaussianNoise()], p=-0.1), "p"),
-    ],
-)
+def test_random_apply_refuses_shape_changes():
+    with pytest.raises(ValueError, match="shape- and dtype-preserving"):
+        A.RandomApply([A.RandomResizedCrop(4)], p=1.0)(torch.rand(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: A.RandomResizedCrop(0), "size"),
+    (lambda: A.RandomResizedCrop(8, scale=(0.5, 0.1)), "scale"),
+    (lambda: A.RandomResizedCrop(8, ratio=(0, 1)), "ratio"),
+    (lambda: A.RandomAffine(10, translate=(1.5, 0)), "translate"),
+    (lambda: A.RandomAffine(10, scale=(0, 1)), "scale"),
+    (lambda: A.RandomAffine(10, shear=(1, 2, 3)), "shear"),
+    (lambda: A.RandomAffine(10, interpolation="bicubic"), "interpolation"),
+    (lambda: A.RandomAffine(10, axes=(0,)), "axes"),
+    (lambda: A.RandomRotation(-5), "degrees"),
+    (lambda: A.ColorJitter(brightness=-0.1), "brightness"),
+    (lambda: A.ColorJitter(contrast=(1.5, 0.5)), "contrast"),
+    (lambda: A.RandomErasing(p=2), "p"),
+    (lambda: A.GaussianNoise(sigma=-1), "sigma"),
+    (lambda: A.RandomApply([A.GaussianNoise()], p=-0.1), "p"),
+    (lambda: A.RandomScaleIntensity(0.1, p=3), "p"),
+    (lambda: A.Compose([A.GaussianNoise(), 3]), "item 1"),
+])
 def test_bad_arguments_name_the_parameter(make, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         make()
-
-
-def test_bad_batches_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="channels"):
-        A.ColorJitter(0.2)(torch.rand(2, 4, 8, 8), _gen())
-    with pytest.raises(ValueError, match="fill"):
-        A.RandomRotation(10, fill=[1.0, 2.0])(torch.rand(2, 3, 8, 8), _gen())
-    with pytest.raises(ValueError, match="float batch"):
-        A.RandomErasing(p=1.0, value="random")(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), _gen())
-    with pytest.raises(ValueError, match="shape"):
-        A.RandomApply([A.RandomResizedCrop(4)], p=1.0)(torch.rand(2, 3, 8, 8), _gen())
 
 
 def test_ops_build_from_a_lightning_cli_config():
@@ -402,55 +307,59 @@ def test_ops_build_from_a_lightning_cli_config():
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--augment", type=A.BatchTransform)
-    config = {
-        "class_path": "lightning_fastdata.augment.Compose",
-        "init_args": {
-            "transforms": [
-                {
-                    "class_path": "lightning_fastdata.augment.RandomResizedCrop",
-                    "init_args": {"size": 12, "scale": [0.2, 1.0]},
-                },
-                {
-                    "class_path": "lightning_fastdata.augment.RandomAffine",
-                    "init_args": {"degrees": 10, "translate": [0.1, 0.1], "shear": [-5, 5, -2, 2]},
-                },
-                {
-                    "class_path": "lightning_fastdata.augment.RandomRotation",
-                    "init_args": {"degrees": 15},
-                },
-                {
-                    "class_path": "lightning_fastdata.augment.ColorJitter",
-                    "init_args": {"brightness": 0.3, "saturation": [0.5, 1.5]},
-                },
-                {
-                    "class_path": "lightning_fastdata.augment.RandomApply",
-                    "init_args": {
-                        "p": 0.3,
-                        "transforms": [
-                            {
-                                "class_path": "lightning_fastdata.augment.GaussianNoise",
-                                "init_args": {"sigma": 0.05},
-                            }
-                        ],
-                    },
-                },
-                {
-                    "class_path": "lightning_fastdata.augment.RandomErasing",
-                    "init_args": {"value": "random"},
-                },
-            ]
-        },
-    }
+
+    def op(name, **init_args):
+        return {"class_path": f"lightning_fastdata.augment.{name}", "init_args": init_args}
+
+    config = op("Compose", transforms=[
+        op("RandomCropByLabel", size=[4, 6, 6], pos=2, neg=1, label="label"),
+        op("RandomFlip", dims=[-3, -2, -1]),
+        op("RandomRot90", dims=[-2, -1]),
+        op("RandomAffine", degrees=10, translate=[0.1, 0.1, 0.1], axes=[-3]),
+        op("ScaleIntensityRange", a_min=-1000, a_max=1000, b_min=0.0, b_max=1.0, clip=True),
+        op("RandomScaleIntensity", factors=0.1, p=0.5),
+        op("RandomShiftIntensity", offsets=0.1),
+        op("RandomAdjustContrast", gamma=[0.7, 1.5]),
+        op("RandomApply", p=0.3, transforms=[op("GaussianNoise", sigma=0.05, clip=False)]),
+    ])
     cfg = parser.parse_object({"augment": config})
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
     aug = instantiate(cfg).augment
-    assert [type(t).__name__ for t in aug.transforms] == [
-        "RandomResizedCrop",
-        "RandomAffine",
-        "RandomRotation",
-        "ColorJitter",
-        "RandomApply",
-        "RandomErasing",
-    ]
-    out = aug(torch.rand(4, 3, 16, 16), _gen())
-    assert out.shape == (4, 3, 12, 12)
+    assert [type(t).__name__ for t in aug.transforms][:3] == ["RandomCropByLabel", "RandomFlip", "RandomRot90"]
+    batch = _batch_3d(torch.arange(3))
+    out = aug(batch)
+    assert out.fields["image"].shape == (3, 1, 4, 6, 6) and out.fields["label"].shape == (3, 1, 4, 6, 6)
+    cfg2 = parser.parse_object({"augment": op("Compose", transforms=[
+        op("RandomResizedCrop", size=12, scale=[0.2, 1.0]), op("ColorJitter", brightness=0.3, saturation=[0.5, 1.5]),
+        op("RandomErasing", value="random"), op("Normalize", mean=[0.5] * 3, std=[0.2] * 3)])})
+    assert instantiate(cfg2).augment(torch.rand(4, 3, 16, 16)).shape == (4, 3, 12, 12)
+    assert "RandomCropByLabel(size=(4, 6, 6), pos=2.0, neg=1.0, label='label')" in repr(aug)
+
+
+def test_the_accelerator_path_never_reads_device_values_on_the_host(monkeypatch):
+    """A CPU stand-in for the CUDA sync test: with the host shortcuts off (as on any accelerator)
+    no op calls nonzero, item, tolist, numpy or bool() on a tensor, any of which would make the
+    host wait for the device."""
+    from lightning_fastdata import augment_base
+    from lightning_fastdata import keys as K
+
+    monkeypatch.setattr(augment_base, "HOST_SHORTCUTS", False)
+    monkeypatch.setattr(K, "USE_NUMPY_ON_CPU", False)
+    b2, b3 = _batch_2d(torch.arange(6), torch.uint8), _batch_3d(torch.arange(3))
+    x2 = b2.replace({"image": b2.fields["image"].float()})
+    ops = [(o, b2 if isinstance(o, (A.RandomCrop, A.RandomFlip, A.RandomRot90)) else x2) for o in _ops_2d()]
+    ops += [(o, b3) for o in _ops_3d()] + [(A.RandomErasing(value="random"), x2), (A.ToDtype("float32"), b2),
+                                           (A.Normalize([0.5] * 3, [0.2] * 3), b2)]
+    for op, _ in ops:  # warm-up: constants are made once per (values, device, dtype)
+        op(_)
+
+    def refuse(name):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"{name} reads a device value on the host")
+        return fail
+
+    for name in ("nonzero", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    monkeypatch.setattr(torch, "nonzero", refuse("torch.nonzero"))
+    for op, batch in ops:
+        op(batch.replace(keys=SampleKeys(1, 1, batch.keys.index)))

@@ -1,0 +1,445 @@
+"""The batch the augmentation ops work on (named fields, their kinds, the samples' keys) and
+the ops' base class, with the helpers the op modules share.
+
+A field is an ``image`` (``(N, *lead, C, *spatial)``: photometric and geometric ops), a
+``mask`` (``(N, *lead, *spatial)``: geometric ops only, nearest-neighbour) or ``other``
+(passed through untouched). ``spatial`` is 2 dims (H, W) or 3 (D, H, W); leading dims
+between N and C (video frames) share their sample's draw.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_fastdata.keys import SampleKeys
+
+KINDS = ("image", "mask", "other")
+
+#: Integer dtypes images may have, with the maximum value ``ToDtype(scale=True)`` maps to 1.0.
+INT_MAX = {
+    torch.uint8: 255,
+    torch.int8: 127,
+    torch.int16: 32767,
+    torch.uint16: 65535,
+    torch.int32: 2**31 - 1,
+    torch.int64: 2**63 - 1,
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+class Batch:
+    """Named fields of one batch, their kinds, and the keys of its samples.
+
+    Args:
+        fields: Field name -> tensor with the samples along dim 0 (``other`` fields may be
+            anything, e.g. a list).
+        kinds: Field name -> ``"image"``, ``"mask"`` or ``"other"``; fields not named are
+            ``other``. Default: the first field is the image, the rest ``other``.
+        keys: The samples' random keys; default ``SampleKeys.for_batch(N)`` on the first
+            image's device (samples numbered 0 .. N-1 with seed 0).
+        spatial_dims: 2 for ``(..., H, W)``, 3 for ``(..., D, H, W)``; default from the
+            first image field: 4-D is 2-D images, 5-D is volumes (video needs an explicit 2).
+
+    Every image and mask field must have the same spatial size (crops and rotations
+    keep them aligned) and the same number of samples.
+    """
+
+    __slots__ = ("fields", "kinds", "keys", "spatial_dims")
+
+    def __init__(self, fields: Mapping[str, Any], kinds: Mapping[str, str] | None = None,
+                 keys: SampleKeys | None = None, spatial_dims: int | None = None) -> None:
+        fields = dict(fields)
+        if not fields:
+            raise ValueError("Batch needs at least one field")
+        if kinds is None:
+            first = next(iter(fields))
+            kinds = {first: "image"}
+        kinds = {name: kinds.get(name, "other") for name in fields} | {
+            k: v for k, v in kinds.items() if k not in fields}
+        for name, kind in kinds.items():
+            if name not in fields:
+                raise ValueError(f"Batch kinds name the field {name!r}, which is not among the fields "
+                                 f"{sorted(fields)}")
+            if kind not in KINDS:
+                raise ValueError(f"Batch field {name!r} has kind {kind!r}; kinds are {KINDS}")
+        self.fields, self.kinds = fields, kinds
+        self.spatial_dims = _infer_spatial_dims(fields, kinds) if spatial_dims is None else spatial_dims
+        if self.spatial_dims not in (2, 3):
+            raise ValueError(f"Batch spatial_dims must be 2 (H, W) or 3 (D, H, W), got {self.spatial_dims!r}")
+        n, device = self._check_fields()
+        if keys is None:
+            keys = SampleKeys.for_batch(n, device)
+        elif len(keys) != n:
+            raise ValueError(f"Batch has {n} samples but its keys have {len(keys)} indices")
+        self.keys = keys
+
+    def _check_fields(self) -> tuple[int, torch.device]:
+        sd = self.spatial_dims
+        ref: tuple[str, torch.Tensor] | None = None
+        for name in self.names("image", "mask"):
+            x = self.fields[name]
+            kind = self.kinds[name]
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"Batch field {name!r} ({kind}) is a {type(x).__name__}; image and mask fields "
+                                "must be tensors with the samples along dim 0 (ragged fields are not supported "
+                                "by augment yet)")
+            least = sd + (2 if kind == "image" else 1)
+            if x.ndim < least:
+                layout = "(N, C, D, H, W)" if sd == 3 else "(N, C, H, W)"
+                if kind == "mask":
+                    layout = "(N, D, H, W) or (N, 1, D, H, W)" if sd == 3 else "(N, H, W) or (N, 1, H, W)"
+                raise ValueError(f"Batch field {name!r} ({kind}) has shape {tuple(x.shape)}; with "
+                                 f"spatial_dims={sd} it needs {layout}")
+            if ref is None:
+                ref = (name, x)
+                continue
+            rname, r = ref
+            if x.shape[0] != r.shape[0]:
+                raise ValueError(f"Batch fields {rname!r} and {name!r} have {r.shape[0]} and {x.shape[0]} "
+                                 "samples; every image and mask field needs one row per sample")
+            if x.shape[-sd:] != r.shape[-sd:]:
+                raise ValueError(f"Batch fields {rname!r} and {name!r} have spatial sizes {tuple(r.shape[-sd:])} "
+                                 f"and {tuple(x.shape[-sd:])}; image and mask fields must be aligned (same "
+                                 "spatial size) to be augmented together")
+            if x.device != r.device:
+                raise ValueError(f"Batch fields {rname!r} and {name!r} are on {r.device} and {x.device}")
+        if ref is None:
+            raise ValueError(f"Batch has no image or mask field to augment (kinds: {self.kinds})")
+        return ref[1].shape[0], ref[1].device
+
+    def names(self, *kinds: str) -> list[str]:
+        """The names of the fields of the given kinds, in field order."""
+        return [name for name in self.fields if self.kinds[name] in kinds]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def spatial_size(self) -> tuple[int, ...]:
+        """(H, W) or (D, H, W) of the image and mask fields."""
+        first = self.fields[self.names("image", "mask")[0]]
+        return tuple(first.shape[-self.spatial_dims:])
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the image and mask fields."""
+        return self.fields[self.names("image", "mask")[0]].device
+
+    def replace(self, fields: Mapping[str, Any] | None = None, keys: SampleKeys | None = None) -> Batch:
+        """A new batch with some fields (same names) and/or the keys replaced."""
+        out = Batch.__new__(Batch)
+        out.kinds, out.spatial_dims, out.keys = self.kinds, self.spatial_dims, self.keys
+        out.fields = dict(self.fields)
+        if fields:
+            unknown = set(fields) - set(self.fields)
+            if unknown:
+                raise ValueError(f"Batch.replace got fields {sorted(unknown)} that the batch does not have")
+            out.fields.update(fields)
+            n = out._check_fields()[0]
+        else:
+            n = len(self.keys)
+        if keys is not None:
+            if len(keys) != n:
+                raise ValueError(f"Batch has {n} samples but its keys have {len(keys)} indices")
+            out.keys = keys
+        return out
+
+    def map(self, image: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            mask: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Batch:
+        """Apply ``image`` to every image field and ``mask`` to every mask field (None: keep)."""
+        out = {}
+        for name in self.names("image", "mask"):
+            fn = image if self.kinds[name] == "image" else mask
+            if fn is not None:
+                out[name] = fn(self.fields[name])
+        return self.replace(out)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{name}: {self.kinds[name]} {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+            for name, v in self.fields.items())
+        return f"Batch({parts}; spatial_dims={self.spatial_dims}, keys={self.keys!r})"
+
+
+def _infer_spatial_dims(fields: Mapping[str, Any], kinds: Mapping[str, str]) -> int:
+    for name, kind in kinds.items():
+        if kind == "image" and isinstance(fields[name], torch.Tensor):
+            ndim = fields[name].ndim
+            if ndim in (4, 5):
+                return ndim - 2
+            raise ValueError(f"Batch field {name!r} has {ndim} dims: give spatial_dims (2 for images "
+                             "(N, ..., C, H, W), 3 for volumes (N, ..., C, D, H, W)); a plain tensor is 4-D "
+                             "(N, C, H, W) or 5-D (N, C, D, H, W)")
+    raise ValueError("Batch has no image field to infer spatial_dims from; pass spatial_dims=2 or 3")
+
+
+def as_batch(x: torch.Tensor | Batch, keys: SampleKeys | None) -> tuple[Batch, str | None]:
+    """``x`` as a Batch, and the name of the field to return when ``x`` was a plain tensor."""
+    if isinstance(keys, torch.Generator):
+        raise TypeError("augment ops draw from SampleKeys, not a torch.Generator: call op(x) or "
+                        "op(x, SampleKeys(seed, epoch, sample_indices)); see docs/seeding.md")
+    if keys is not None and not isinstance(keys, SampleKeys):
+        raise TypeError(f"keys must be a SampleKeys, got {type(keys).__name__}")
+    if isinstance(x, Batch):
+        return (x if keys is None else x.replace(keys=keys)), None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"augment ops take a tensor or an augment.Batch, got {type(x).__name__}")
+    if x.ndim not in (4, 5):
+        raise ValueError(f"a plain tensor batch must be (N, C, H, W) or (N, C, D, H, W), got shape "
+                         f"{tuple(x.shape)}; for video or other layouts use augment.Batch(..., spatial_dims=2)")
+    return Batch({"image": x}, {"image": "image"}, keys, x.ndim - 2), "image"
+
+
+class BatchTransform:
+    """Base class of the ops: ``op(x)`` or ``op(x, keys)`` returns the transformed batch.
+
+    ``x`` is a tensor (one image field) or a :class:`Batch`; the result has the same type.
+    Subclasses define ``make_params(batch)`` (the per-sample parameters, drawn from
+    ``batch.keys`` only) and ``apply_batch(batch, **params)``; ``draw`` and ``apply`` are
+    their public faces, so ``op(x, keys) == op.apply(x, **op.draw(x, keys))``.
+    """
+
+    def __call__(self, x: torch.Tensor | Batch, keys: SampleKeys | None = None) -> torch.Tensor | Batch:
+        batch, name = as_batch(x, keys)
+        out = self.forward(batch)
+        return out if name is None else out.fields[name]
+
+    def forward(self, batch: Batch) -> Batch:
+        """Draw and apply on a Batch (overridden by ops that run other ops)."""
+        return self.apply_batch(batch, **self.make_params(batch))
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-sample parameters from ``batch.keys`` (deterministic ops: none)."""
+        return {}
+
+    def apply_batch(self, batch: Batch, **params: torch.Tensor) -> Batch:
+        """The op at the given parameters."""
+        raise NotImplementedError
+
+    def draw(self, x: torch.Tensor | Batch, keys: SampleKeys | None = None) -> dict[str, torch.Tensor]:
+        """The per-sample parameters this op would use on ``x`` with ``keys``."""
+        return self.make_params(as_batch(x, keys)[0])
+
+    def apply(self, x: torch.Tensor | Batch, **params: torch.Tensor) -> torch.Tensor | Batch:
+        """The op on ``x`` at the given per-sample parameters (as returned by ``draw``)."""
+        batch, name = as_batch(x, None)
+        out = self.apply_batch(batch, **params)
+        return out if name is None else out.fields[name]
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+#: Where the CPU may take host-side shortcuts (``nonzero`` to touch only the chosen samples).
+#: Accelerators never do: the host would wait for the device. Tests switch this off to run
+#: the accelerator code on the CPU.
+HOST_SHORTCUTS = True
+
+
+def host_shortcuts(device: torch.device) -> bool:
+    """Whether data-dependent shapes (``nonzero``) may be used on ``device`` without a sync."""
+    return HOST_SHORTCUTS and device.type == "cpu"
+
+
+_CONSTANTS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def const(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A small constant tensor, made once per (values, device, dtype).
+
+    ``torch.tensor(list, device=cuda)`` copies from pageable host memory and blocks the
+    host; this builds the tensor with fills (kernel launches only), once.
+    """
+    key = (tuple(float(v) for v in values), str(device), dtype)
+    out = _CONSTANTS.get(key)
+    if out is None:
+        if device.type == "cpu":
+            out = torch.tensor(key[0], dtype=dtype)
+        else:
+            out = torch.empty(len(key[0]), dtype=dtype, device=device)
+            for i, v in enumerate(key[0]):
+                out[i].fill_(v)
+        _CONSTANTS[key] = out
+    return out
+
+
+def spatial_arg(value: int | Sequence[int], name: str, lowest: int = 0) -> tuple[int, ...]:
+    """An int (every spatial dim) or one int per spatial dim (2 or 3), each >= ``lowest``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or 2 or 3 ints, got {value!r}")
+    out = (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+    if len(out) not in (1, 2, 3):
+        raise ValueError(f"{name} must be an int, a pair (h, w) or a triple (d, h, w), got {value!r}")
+    if min(out) < lowest:
+        raise ValueError(f"{name} must be >= {lowest}, got {value!r}")
+    return out
+
+
+def per_dim(value: tuple[int, ...], sd: int, name: str, op: str) -> tuple[int, ...]:
+    """``spatial_arg`` output for a batch with ``sd`` spatial dims."""
+    if len(value) == 1:
+        return value * sd
+    if len(value) != sd:
+        raise ValueError(f"{op} {name}={value} has {len(value)} values but the batch has {sd} spatial dims; "
+                         f"give an int or {sd} values")
+    return value
+
+
+def float_range(value: float | Sequence[float], name: str, center: float | None = None,
+                lower: float = float("-inf"), upper: float = float("inf")) -> tuple[float, float]:
+    """``value`` as (lo, hi); a number means ``center -/+ value`` (or ``-/+ value``)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number or a pair (min, max), got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"{name} as a single number must be >= 0, got {value!r}")
+        c = 0.0 if center is None else center
+        lo, hi = c - float(value), c + float(value)
+        if center is not None:
+            lo = max(lo, lower)
+    else:
+        pair = [float(v) for v in value]
+        if len(pair) != 2:
+            raise ValueError(f"{name} must be a number or a pair (min, max), got {value!r}")
+        lo, hi = pair
+    if not lower <= lo <= hi <= upper:
+        raise ValueError(f"{name} must be an increasing pair within [{lower}, {upper}], got {value!r}")
+    return lo, hi
+
+
+def probability(p: float, name: str = "p") -> float:
+    """``p`` checked to lie in [0, 1]."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {p!r}")
+    return float(p)
+
+
+def fill_values(fill: float | Sequence[float], name: str) -> list[float]:
+    """A fill: one number, or one per channel."""
+    if isinstance(fill, bool):
+        raise TypeError(f"{name} must be a number or one number per channel, got {fill!r}")
+    values = [float(fill)] if isinstance(fill, (int, float)) else [float(v) for v in fill]
+    if not values:
+        raise ValueError(f"{name} must be a number or one number per channel, got {fill!r}")
+    return values
+
+
+def keep_format(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` in ``like``'s memory format (channels_last / channels_last_3d are kept)."""
+    if like.ndim in (4, 5) and not like.is_contiguous():
+        fmt = torch.channels_last if like.ndim == 4 else torch.channels_last_3d
+        if like.is_contiguous(memory_format=fmt):
+            return out.contiguous(memory_format=fmt)
+    return out
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; everything else (integers, half types) is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def to_input_dtype(y: torch.Tensor, like: torch.Tensor, rounding: bool = True) -> torch.Tensor:
+    """``y`` (float) back to ``like``'s dtype: integers rounded and clamped to the dtype's range."""
+    if like.is_floating_point():
+        return y.to(like.dtype)
+    if rounding:
+        y = y.round()
+    top = INT_MAX[like.dtype]
+    return y.clamp_(-top - 1 if like.dtype.is_signed else 0, float(top)).to(like.dtype)
+
+
+def channel_dim(batch: Batch) -> int:
+    """The (negative) channel dim of the batch's image fields."""
+    return -(batch.spatial_dims + 1)
+
+
+def samples_view(x: torch.Tensor, sd: int, channels: bool = True) -> torch.Tensor:
+    """View an image ``(N, *lead, C, *spatial)`` as ``(N, L, C, *spatial)`` (``channels=False``:
+    ``(N, M, *spatial)``, every non-spatial dim folded)."""
+    n, spatial = x.shape[0], x.shape[x.ndim - sd:]
+    if channels:
+        return x.reshape(n, -1, x.shape[-sd - 1], *spatial)
+    return x.reshape(n, -1, *spatial)
+
+
+def bcast(v: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A per-sample (N,) tensor viewed to broadcast against an ``ndim``-dim batch."""
+    return v.view(-1, *[1] * (ndim - 1))
+
+
+#: On the CPU, batches are processed in chunks of about this many elements: each op makes
+#: several float passes over its input, and chunks that stay in cache run 3-5x faster than
+#: whole-batch temporaries. On accelerators the whole batch is one launch.
+CPU_CHUNK_ELEMENTS = 1 << 19
+
+
+def chunked(fn: Callable[..., torch.Tensor], x: torch.Tensor, *per_sample: torch.Tensor) -> torch.Tensor:
+    """``fn(x, *per_sample)`` over sample chunks on the CPU (per-sample tensors sliced alike)."""
+    n = x.shape[0]
+    rows = max(1, CPU_CHUNK_ELEMENTS // max(1, x[0].numel()))
+    if x.device.type != "cpu" or n <= rows:
+        return fn(x, *per_sample)
+    parts = [fn(x[a:a + rows], *(p[a:a + rows] for p in per_sample)) for a in range(0, n, rows)]
+    return torch.cat(parts)
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused flat work buffer of at least ``numel`` elements (never returned to callers).
+
+    Fresh CPU memory of batch size is page-faulted in on every call (several times the cost
+    of the copy itself for ImageNet-sized batches), so work buffers live in one per-thread
+    buffer per dtype that only grows.
+    """
+    if device.type != "cpu":
+        # The CUDA caching allocator already recycles memory, and a buffer shared across
+        # calls would need stream bookkeeping.
+        return torch.empty(numel, dtype=dtype, device=device)
+    cache = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = cache.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        cache[dtype] = buf
+    return buf[:numel]
+
+
+_SCRATCH = threading.local()
+
+
+def replace_rows(x: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A new tensor: ``x`` with sample ``rows[i]`` replaced by ``values[i]`` (CPU, host indices).
+
+    One whole-sample ``index_select`` from ``x`` and ``values`` side by side (a memcpy per
+    sample; ``index_copy_`` is per element on the CPU and missing for uint16).
+    """
+    n = x.shape[0]
+    xc = x.contiguous()
+    if not rows.numel():
+        return xc.clone()
+    src = scratch((n + rows.numel()) * math.prod(x.shape[1:]), x.dtype, x.device).view(-1, *x.shape[1:])
+    src[:n].copy_(xc)
+    src[n:].copy_(values)
+    pick = torch.arange(n, device=x.device)
+    pick[rows] = torch.arange(n, n + rows.numel(), device=x.device)
+    return torch.index_select(src, 0, pick)

@@ -1,0 +1,306 @@
+"""Photometric ops on image fields: dtype conversion, normalisation, colour jitter, erasing.
+
+They touch image fields only: mask fields keep their values and dtype, ``other`` fields
+pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_fastdata.augment_base import (
+    DTYPES,
+    INT_MAX,
+    Batch,
+    BatchTransform,
+    channel_dim,
+    chunked,
+    compute_dtype,
+    const,
+    fill_values,
+    float_range,
+    keep_format,
+    probability,
+    samples_view,
+)
+from lightning_fastdata.augment_resample import box_attempts, first_valid_box
+
+
+def _require_2d(batch: Batch, op: str) -> None:
+    if batch.spatial_dims != 2:
+        raise ValueError(f"{op} works on 2-D images (N, C, H, W); the batch has {batch.spatial_dims} spatial dims")
+
+
+def to_dtype(x: torch.Tensor, dtype: torch.dtype, scale: bool) -> torch.Tensor:
+    """``torchvision.transforms.v2.functional.to_dtype(x, dtype, scale)`` for images.
+
+    Integers scale by their dtype's maximum (uint8 255, int16 32767, uint16 65535, ...).
+    Float -> integer multiplies by ``max + 1 - 1e-3`` and truncates as torchvision does, but
+    clamps to the integer range first (torchvision wraps values outside [0, 1]).
+    """
+    if x.dtype == dtype:
+        return x
+    if not scale:
+        return x.to(dtype)
+    if x.is_floating_point():
+        if dtype.is_floating_point:
+            return x.to(dtype)
+        top = INT_MAX[dtype]
+        if (x.dtype == torch.float32 and dtype in (torch.int32, torch.int64)) or \
+                (x.dtype == torch.float64 and dtype == torch.int64):
+            raise ValueError(f"ToDtype cannot convert {x.dtype} to {dtype} with scale=True exactly (as torchvision); "
+                             "convert to float64 first, or to a narrower integer")
+        low = -top - 1 if dtype.is_signed else 0
+        return x.mul(top + 1.0 - 1e-3).clamp_(low, top).to(dtype)
+    if dtype.is_floating_point:
+        return x.to(dtype).mul_(1.0 / INT_MAX[x.dtype])
+    # integer -> integer: shift by the difference in value bits, as torchvision.
+    bits_in, bits_out = (INT_MAX[d].bit_length() for d in (x.dtype, dtype))
+    if bits_in > bits_out:
+        if x.dtype == torch.uint16:
+            return (x / 2 ** (bits_in - bits_out)).to(dtype)
+        return x.bitwise_right_shift(bits_in - bits_out).to(dtype)
+    if dtype == torch.uint16:
+        return x.to(dtype) * 2 ** (bits_out - bits_in)
+    return x.to(dtype).bitwise_left_shift_(bits_out - bits_in)
+
+
+class ToDtype(BatchTransform):
+    """Convert image fields' dtype as ``torchvision.transforms.v2.functional.to_dtype``.
+
+    With ``scale``, integers map to [0, 1] floats by their dtype's maximum (uint8 255,
+    int16 32767, uint16 65535, int32 2**31 - 1) and back. Mask fields keep their dtype and
+    values; ``other`` fields pass through.
+
+    Args:
+        dtype: "float32", "float16", "bfloat16", "float64", "uint8", "int16", "uint16",
+            "int32" or "int64".
+        scale: Rescale between integer and float value ranges.
+    """
+
+    def __init__(self, dtype: str = "float32", scale: bool = True) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.dtype, self.scale = dtype, bool(scale)
+
+    def apply_batch(self, batch: Batch) -> Batch:
+        """Convert every image field."""
+        target = DTYPES[self.dtype]
+        return batch.map(image=lambda x: to_dtype(x, target, self.scale))
+
+
+class Normalize(BatchTransform):
+    """Per-channel ``(x - mean) / std`` on image fields; integer images are first scaled to
+    [0, 1] by their dtype's maximum, in the same pass. Masks and ``other`` pass through.
+
+    Args:
+        mean: One mean per channel (on the [0, 1] scale).
+        std: One standard deviation per channel, all > 0.
+        dtype: Output dtype for integer input ("float32", "float16", "bfloat16", "float64").
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], dtype: str = "float32") -> None:
+        self.mean, self.std = [float(m) for m in mean], [float(s) for s in std]
+        if len(self.mean) != len(self.std) or not self.mean:
+            raise ValueError(f"mean and std need one value per channel, got {mean!r} and {std!r}")
+        if min(self.std) <= 0:
+            raise ValueError(f"std must be > 0, got {std!r}")
+        if dtype not in DTYPES or not DTYPES[dtype].is_floating_point:
+            raise ValueError(f"dtype must be a float dtype name, got {dtype!r}")
+        self.dtype = dtype
+
+    def apply_batch(self, batch: Batch) -> Batch:
+        """Normalise every image field."""
+        cdim, sd = channel_dim(batch), batch.spatial_dims
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            c = x.shape[cdim]
+            if c != len(self.mean):
+                raise ValueError(f"Normalize has {len(self.mean)} channel means, the batch has {c} channels")
+            out_dtype = x.dtype if x.is_floating_point() else DTYPES[self.dtype]
+            in_scale = 1.0 if x.is_floating_point() else 1.0 / INT_MAX[x.dtype]
+            scale = [in_scale / s for s in self.std]
+            shift = [-m / s for m, s in zip(self.mean, self.std, strict=True)]
+            view = (c,) + (1,) * sd
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            torch.addcmul(const(shift, x.device, out_dtype).view(view), x.to(out_dtype),
+                          const(scale, x.device, out_dtype).view(view), out=out)
+            return keep_format(out, x)
+
+        return batch.map(image=run)
+
+
+def _gray(y: torch.Tensor) -> torch.Tensor:
+    """torchvision's ``_rgb_to_grayscale_image`` weights, one channel kept: (..., 1, H, W)."""
+    r, g, b = y.unbind(dim=-3)
+    return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).unsqueeze(-3)
+
+
+class ColorJitter(BatchTransform):
+    """Random brightness, contrast and saturation per sample, in a random order per sample.
+
+    Follows ``torchvision.transforms.v2.ColorJitter`` (without hue): each factor is drawn
+    uniformly from its range and the present adjustments run in a random order. 2-D image
+    fields with 1 or 3 channels; masks and ``other`` pass through.
+
+    Args:
+        brightness: b for [max(0, 1 - b), 1 + b], or (min, max); None or 0 to skip.
+        contrast: As ``brightness``.
+        saturation: As ``brightness``.
+    """
+
+    _NAMES = ("brightness", "contrast", "saturation")
+
+    def __init__(self, brightness: float | Sequence[float] | None = None,
+                 contrast: float | Sequence[float] | None = None,
+                 saturation: float | Sequence[float] | None = None) -> None:
+        ranges = []
+        for name, value in zip(self._NAMES, (brightness, contrast, saturation), strict=True):
+            r = None if value is None else float_range(value, name, center=1.0, lower=0.0)
+            ranges.append(None if r == (1.0, 1.0) else r)
+        self.brightness, self.contrast, self.saturation = ranges
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """``order`` (N, 3) int64, a permutation of 0..2 (brightness, contrast, saturation),
+        and ``factors`` (N, 3) float32, 1.0 for adjustments that are off."""
+        _require_2d(batch, "ColorJitter")
+        u = batch.keys.uniform(0, 6)
+        order = torch.argsort(u[:, :3], dim=1)
+        cols = []
+        for k, r in enumerate((self.brightness, self.contrast, self.saturation)):
+            cols.append(torch.ones_like(u[:, 0]) if r is None else r[0] + (r[1] - r[0]) * u[:, 3 + k])
+        return {"order": order, "factors": torch.stack(cols, dim=1)}
+
+    def apply_batch(self, batch: Batch, order: torch.Tensor, factors: torch.Tensor) -> Batch:
+        """``F.adjust_brightness/contrast/saturation`` per sample, in each sample's order."""
+        _require_2d(batch, "ColorJitter")
+        return batch.map(image=lambda x: keep_format(chunked(self._run, x, order, factors), x))
+
+    def _run(self, x: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+        c = x.shape[-3]
+        if c not in (1, 3):
+            raise ValueError(f"ColorJitter needs 1 or 3 channels, the batch has {c}")
+        active = const([r is not None for r in (self.brightness, self.contrast, self.saturation)],
+                       x.device, torch.bool)
+        fp = x.is_floating_point()
+        bound = 1.0 if fp else float(INT_MAX[x.dtype])
+        dt = compute_dtype(x)
+        y = samples_view(x, 2).to(dt)
+        n = y.shape[0]
+        view = (n, 1, 1, 1, 1)
+        # Decided on the host from the configuration: no device sync inside the loop.
+        use_contrast = self.contrast is not None
+        use_saturation = self.saturation is not None and c == 3
+        for step in range(3):
+            op = order[:, step]
+            on = active[op]
+            if c == 1:
+                # torchvision leaves 1-channel images alone in adjust_saturation.
+                on = on & (op != 2)
+            # Every adjustment is a blend y * r + other * (1 - r): other is 0 (brightness),
+            # the mean of the grayscale image (contrast) or the grayscale image (saturation).
+            # Per sample that is y * a + gray * g + mean * m: fused passes for the whole batch.
+            ratio = factors.gather(1, op.view(-1, 1)).view(-1)
+            rest = (1.0 - ratio.double()).to(dt)
+            ratio = ratio.to(dt)
+            zero = torch.zeros_like(rest)
+            out = y * torch.where(on, ratio, torch.ones_like(ratio)).view(view)
+            if use_contrast or use_saturation:
+                gray = _gray(y) if c == 3 else y
+                if not fp:
+                    gray = gray.floor()
+                if use_saturation:
+                    out.addcmul_(gray, torch.where(on & (op == 2), rest, zero).view(view))
+                if use_contrast:
+                    mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
+                    out.addcmul_(mean, torch.where(on & (op == 1), rest, zero).view(view))
+            # Clamp (and truncate, for integer images) only the samples adjusted at this step.
+            lo = torch.where(on, zero, float("-inf")).view(view)
+            hi = torch.where(on, torch.full_like(rest, bound), float("inf")).view(view)
+            y = torch.clamp(out, lo, hi)
+            if not fp:
+                y = y.trunc_()
+        return keep_format(y.view(x.shape).to(x.dtype), x)
+
+
+class RandomErasing(BatchTransform):
+    """Erase a random rectangle of each sample with probability ``p`` (as torchvision), 2-D.
+
+    A photometric op: image fields are erased (every image field of a sample in the same
+    box); masks keep their values and ``other`` fields pass through.
+
+    Args:
+        p: Probability of erasing a sample, in [0, 1].
+        scale: Range of the erased area as a fraction of the image's.
+        ratio: Range of the erased rectangle's aspect ratio (h / w, as torchvision).
+        value: Fill: a number, one number per channel, or "random" for standard normal
+            noise per pixel (float images only).
+    """
+
+    def __init__(self, p: float = 0.5, scale: Sequence[float] = (0.02, 0.33),
+                 ratio: Sequence[float] = (0.3, 3.3), value: float | Sequence[float] | str = 0.0) -> None:
+        self.p = probability(p)
+        self.scale = float_range(scale, "scale", lower=0.0, upper=1.0)
+        self.ratio = float_range(ratio, "ratio", lower=0.0)
+        if self.ratio[0] <= 0:
+            raise ValueError(f"ratio must be > 0, got {ratio!r}")
+        if isinstance(value, str):
+            if value != "random":
+                raise ValueError(f"value must be a number, one per channel, or 'random', got {value!r}")
+            self.value: list[float] | str = value
+        else:
+            self.value = fill_values(value, "value")
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """``erase`` bool (N,), the box ``top``, ``left``, ``h``, ``w`` int64 (N,), and with
+        ``value="random"`` ``noise``: image field name -> standard normal (N, C, H, W)."""
+        _require_2d(batch, "RandomErasing")
+        height, width = batch.spatial_size
+        u = batch.keys.uniform(0, 41, dtype=torch.float64)
+        attempts = u[:, :40].view(-1, 10, 4)
+        h, w = box_attempts(attempts, height * width, self.scale, self.ratio)
+        ok = (h < height) & (w < width)
+        top, left, h, w, any_ok = first_valid_box(attempts, ok, h, w, height, width)
+        out = {"erase": (u[:, 40] < self.p) & any_ok, "top": top.long(), "left": left.long(),
+               "h": h.long(), "w": w.long()}
+        if self.value == "random":
+            out["noise"] = {  # type: ignore[assignment]
+                name: batch.keys.normal(1 + i, (batch.fields[name].shape[-3], height, width))
+                for i, name in enumerate(batch.names("image"))}
+        return out
+
+    def apply_batch(self, batch: Batch, erase: torch.Tensor, top: torch.Tensor, left: torch.Tensor,
+                    h: torch.Tensor, w: torch.Tensor, noise: dict[str, torch.Tensor] | None = None) -> Batch:
+        """``F.erase`` of each sample's box (where ``erase``), all at once."""
+        _require_2d(batch, "RandomErasing")
+        hh, ww = batch.spatial_size
+        dev = batch.device
+        n = len(batch)
+        rows = torch.arange(hh, device=dev).view(1, -1)
+        cols = torch.arange(ww, device=dev).view(1, -1)
+        in_r = (rows >= top.view(-1, 1)) & (rows < (top + h).view(-1, 1))
+        in_c = (cols >= left.view(-1, 1)) & (cols < (left + w).view(-1, 1))
+        box = (in_r.view(n, hh, 1) & in_c.view(n, 1, ww) & erase.view(n, 1, 1)).view(n, 1, 1, hh, ww)
+        out = {}
+        for name in batch.names("image"):
+            x = batch.fields[name]
+            c = x.shape[-3]
+            if self.value == "random":
+                if not x.is_floating_point():
+                    raise ValueError("RandomErasing(value='random') needs a float batch; convert with ToDtype first")
+                if noise is None or name not in noise:
+                    raise ValueError(f"RandomErasing(value='random') needs noise for field {name!r} (from draw)")
+                fill = noise[name].view(n, 1, c, hh, ww).to(x.dtype)
+            else:
+                if len(self.value) not in (1, c):
+                    raise ValueError(f"value has {len(self.value)} numbers, the batch has {c} channels; "
+                                     f"give 1 or {c}")
+                fill = const(self.value, dev, x.dtype if x.is_floating_point() else torch.float64)
+                fill = fill.to(x.dtype).view(1, 1, -1, 1, 1)
+            out[name] = keep_format(torch.where(box, fill, samples_view(x, 2)).view(x.shape), x)
+        return batch.replace(out)
+
+
+__all__ = ["ColorJitter", "Normalize", "RandomErasing", "ToDtype", "to_dtype"]

@@ -1,0 +1,264 @@
+"""Per-sample crops of 2-D images and 3-D volumes: random windows and label-centred windows.
+
+Each crop is a copy of contiguous rows (no per-pixel index), applied with the same window
+to every image and mask field of the batch; ``other`` fields pass through.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from lightning_fastdata.augment_base import (
+    Batch,
+    BatchTransform,
+    const,
+    host_shortcuts,
+    keep_format,
+    per_dim,
+    scratch,
+    spatial_arg,
+)
+
+
+def _fill_border(src: torch.Tensor, py: int, px: int, h: int, w: int, fill: float) -> None:
+    """Set the padding of every plane of ``src`` (shape (s, m, h + 2py, w + 2px)) to ``fill``.
+
+    Narrow images: one contiguous memset of everything (the border is a large share, and
+    filling strips row by row costs more). Wide images: only the border, as three views of
+    the flat planes: the head (top rows and the first left margin), the gaps (each row's
+    right margin with the next row's left margin, contiguous in memory) and the tail.
+    """
+    if w < 64:
+        src.fill_(fill)
+        return
+    s, m, hp, wp = src.shape
+    plane = hp * wp
+    planes = src.view(s * m, plane)
+    planes[:, :py * wp + px].fill_(fill)
+    planes[:, (py + h - 1) * wp + px + w:].fill_(fill)
+    if h > 1 and px:
+        gaps = planes.as_strided((s * m, h - 1, 2 * px), (plane, wp, 1),
+                                 planes.storage_offset() + py * wp + px + w)
+        gaps.fill_(fill)
+
+
+_GRIDS: dict[tuple, torch.Tensor] = {}
+
+
+def _row_grid(m: int, plane: int, size: tuple[int, ...], strides: list[int], device: torch.device) -> torch.Tensor:
+    """Offsets of a window's rows from its corner: (m, *size) int64, cached per geometry."""
+    key = (m, plane, size, tuple(strides), str(device))
+    grid = _GRIDS.get(key)
+    if grid is None:
+        grid = (torch.arange(m, device=device) * plane).view(m, *[1] * len(size))
+        for d, (extent, stride) in enumerate(zip(size, strides, strict=True)):
+            shape = [1] * (len(size) + 1)
+            shape[d + 1] = extent
+            grid = grid + (torch.arange(extent, device=device) * stride).view(shape)
+        if len(_GRIDS) > 64:
+            _GRIDS.clear()
+        _GRIDS[key] = grid
+    return grid
+
+
+def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: int,
+                flip: torch.Tensor | None = None, padding: Sequence[int] | None = None,
+                fill: float = 0) -> torch.Tensor:
+    """Per-sample crop of ``pad(x)`` at ``offset`` (N, sd), of ``size``, optionally mirrored
+    along the last axis; ``x`` is ``(N, ..., *spatial)`` with ``sd`` spatial dims.
+
+    Each output row of the last axis is one contiguous run of the padded source, so the
+    crop is a single ``index_select`` of rows from an overlapping "every start offset" view
+    of the source (a memcpy per row), instead of a per-pixel gather with an int64 index per
+    output element (5-7x slower on the CPU). Mirrored samples read from mirrored copies of
+    their padded source at the mirrored column: ``flip(crop(p, o)) == crop(flip(p), W - w - o)``.
+    The output is bit-identical to ``F.pad`` and slicing.
+    """
+    n = x.shape[0]
+    spatial = tuple(x.shape[x.ndim - sd:])
+    mid = x.shape[1:x.ndim - sd]
+    m = math.prod(mid)
+    pad = tuple(padding) if padding is not None else (0,) * sd
+    padded = tuple(s + 2 * p for s, p in zip(spatial, pad, strict=True))
+    size = tuple(size)
+    dev = x.device
+    if n == 0:
+        return x.new_empty((0, *mid, *size))
+    src_n, fidx = n, None
+    if flip is not None:
+        if host_shortcuts(dev):
+            # Only the mirrored samples get a mirrored copy.
+            fidx = flip.nonzero().view(-1)
+            src_n = n + fidx.numel()
+        else:
+            src_n = 2 * n  # no nonzero: it would make the host wait for the device
+    plain = x.reshape(n, m, *spatial)
+    inner = (slice(None), slice(None), *(slice(p, p + s) for p, s in zip(pad, spatial, strict=True)))
+    if src_n == n and not any(pad) and plain.is_contiguous():
+        src = plain  # nothing to pad or mirror: read the input in place
+    else:
+        src = scratch(src_n * m * math.prod(padded), x.dtype, dev).view(src_n, m, *padded)
+        if any(pad):
+            if sd == 2:
+                _fill_border(src, pad[0], pad[1], spatial[0], spatial[1], fill)
+            else:
+                src.fill_(fill)
+        src[:n][inner].copy_(plain)
+        if src_n > n:
+            mirrored = plain if fidx is None else plain.index_select(0, fidx)
+            src[n:][inner].copy_(mirrored.flip(-1))
+    sample = torch.arange(n, device=dev)
+    last = offset[:, -1]
+    if flip is not None:
+        if fidx is None:
+            sample = sample + flip.long() * n
+        else:
+            sample[fidx] = torch.arange(n, n + fidx.numel(), device=dev)
+        last = torch.where(flip, (padded[-1] - size[-1]) - last, last)
+    # Start of every output row: the sample's window corner plus a fixed grid over the folded
+    # lead/channel dim and every spatial dim but the last.
+    strides = [math.prod(padded[d + 1:]) for d in range(sd)]
+    plane = math.prod(padded)
+    corner = sample * (m * plane) + last
+    for d in range(sd - 1):
+        corner = corner + offset[:, d] * strides[d]
+    starts = corner.view(n, 1) + _row_grid(m, plane, size[:-1], strides[:-1], dev).view(1, -1)
+    flat = src.reshape(-1)
+    runs = flat.as_strided((flat.numel() - size[-1] + 1, size[-1]), (1, 1))
+    out = torch.index_select(runs, 0, starts.reshape(-1))
+    return out.view(n, *mid, *size)
+
+
+class RandomCrop(BatchTransform):
+    """Crop each sample at its own random position, after optional constant padding.
+
+    Works on images (N, C, H, W) and volumes (N, C, D, H, W). The same window is cut from
+    every image and mask field; masks are padded with 0, images with ``fill``; ``other``
+    fields pass through.
+
+    Args:
+        size: Output size: an int for every spatial dim, (h, w) or (d, h, w).
+        padding: Added on both sides of every spatial dim (int), or per dim.
+        fill: Constant for the images' padding.
+    """
+
+    def __init__(self, size: int | Sequence[int], padding: int | Sequence[int] = 0, fill: float = 0) -> None:
+        self.size = spatial_arg(size, "size", lowest=1)
+        self.padding = spatial_arg(padding, "padding")
+        self.fill = fill
+
+    def _geometry(self, batch: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        sd = batch.spatial_dims
+        size = per_dim(self.size, sd, "size", "RandomCrop")
+        pad = per_dim(self.padding, sd, "padding", "RandomCrop")
+        padded = tuple(s + 2 * p for s, p in zip(batch.spatial_size, pad, strict=True))
+        if any(c > s for c, s in zip(size, padded, strict=True)):
+            raise ValueError(f"RandomCrop size {size} is larger than the padded input {padded}; "
+                             "lower size or add padding")
+        return size, pad, padded
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """``offset``: each sample's window corner in the padded input, int64 (N, spatial dims)."""
+        size, _, padded = self._geometry(batch)
+        return {"offset": batch.keys.integers(0, [p - s + 1 for p, s in zip(padded, size, strict=True)])}
+
+    def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None) -> Batch:
+        """Cut the windows at ``offset``; ``flip`` (bool (N,)) also mirrors along the last axis
+        in the same pass (``Compose`` fuses a following horizontal flip this way)."""
+        size, pad, _ = self._geometry(batch)
+        sd = batch.spatial_dims
+
+        def crop(fill: float):
+            # The padding is written into the crop's source buffer, not materialised by F.pad.
+            return lambda x: keep_format(window_crop(x, offset, size, sd, flip, pad, fill), x)
+
+        return batch.map(image=crop(self.fill), mask=crop(0))
+
+
+class RandomCropByLabel(BatchTransform):
+    """Crop windows centred on foreground (label > 0) with probability pos / (pos + neg),
+    else on background, as MONAI's ``RandCropByPosNegLabeld`` (``num_samples=1``).
+
+    Per sample, the centre is a voxel drawn uniformly among the label's foreground voxels
+    (any channel > 0) or among its background voxels, on the device: the k-th voxel of the
+    chosen set, found through a cumulative sum, with k drawn per sample; no host sync and
+    no loop over samples. A sample without foreground (or without background) takes its
+    centre from the other set. The window is then shifted to lie inside the input (MONAI's
+    centre correction), so the drawn voxel stays inside the window but is not always its
+    centre. The same window is cut from every image and mask field; ``other`` passes through.
+
+    Args:
+        size: Window size: an int for every spatial dim, (h, w) or (d, h, w); at most the
+            input's size.
+        pos: Weight of foreground centres, >= 0.
+        neg: Weight of background centres, >= 0 (pos + neg > 0).
+        label: The field whose voxels > 0 are foreground (usually the mask).
+    """
+
+    def __init__(self, size: int | Sequence[int], pos: float = 1.0, neg: float = 1.0, label: str = "label") -> None:
+        self.size = spatial_arg(size, "size", lowest=1)
+        if isinstance(pos, bool) or isinstance(neg, bool) or pos < 0 or neg < 0 or pos + neg <= 0:
+            raise ValueError(f"pos and neg must be >= 0 with pos + neg > 0, got pos={pos!r}, neg={neg!r}")
+        self.pos, self.neg = float(pos), float(neg)
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"label must name the label field, got {label!r}")
+        self.label = label
+
+    def _size(self, batch: Batch) -> tuple[int, ...]:
+        size = per_dim(self.size, batch.spatial_dims, "size", "RandomCropByLabel")
+        if any(c > s for c, s in zip(size, batch.spatial_size, strict=True)):
+            raise ValueError(f"RandomCropByLabel size {size} is larger than the input {batch.spatial_size}; "
+                             "lower size, or pad first (RandomCrop with padding)")
+        return size
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """``center`` (the drawn voxel), ``offset`` (the window's corner), both int64
+        (N, spatial dims), and ``foreground`` (bool (N,): the centre is a foreground voxel)."""
+        if self.label not in batch.fields or batch.kinds[self.label] == "other":
+            raise ValueError(f"RandomCropByLabel(label={self.label!r}) needs an image or mask field of that name; "
+                             f"the batch has {batch.kinds}")
+        size = self._size(batch)
+        spatial = batch.spatial_size
+        lab = batch.fields[self.label]
+        n, voxels = lab.shape[0], math.prod(spatial)
+        if lab.dtype in (torch.uint16, torch.uint32, torch.uint64):
+            lab = lab.to(torch.int64)  # comparisons are not implemented for these
+        fg = (lab > 0).reshape(n, -1, voxels).any(1)  # (N, V)
+        count_fg = fg.sum(1)
+        count_bg = voxels - count_fg
+        u = batch.keys.uniform(0, 2, dtype=torch.float64)
+        want_fg = u[:, 0] < self.pos / (self.pos + self.neg)
+        use_fg = torch.where(count_fg == 0, False, torch.where(count_bg == 0, True, want_fg))
+        chosen = torch.where(use_fg.view(n, 1), fg, ~fg)
+        count = torch.where(use_fg, count_fg, count_bg)
+        k = torch.minimum(torch.floor(u[:, 1] * count.to(torch.float64)).long(), count - 1)
+        # The k-th chosen voxel (0-based): the first position whose running count exceeds k.
+        running = torch.cumsum(chosen, dim=1, dtype=torch.int32 if voxels < 2**31 else torch.int64)
+        flat = torch.searchsorted(running, (k + 1).to(running.dtype).view(n, 1)).view(n)
+        center = _unravel(flat, spatial)
+        half = const([s // 2 for s in size], flat.device, torch.int64)
+        top = const([s - c for s, c in zip(spatial, size, strict=True)], flat.device, torch.int64)
+        offset = torch.minimum((center - half).clamp_(min=0), top)
+        return {"center": center, "offset": offset, "foreground": use_fg}
+
+    def apply_batch(self, batch: Batch, offset: torch.Tensor, **_: torch.Tensor) -> Batch:
+        """Cut the windows at ``offset`` from every image and mask field."""
+        size, sd = self._size(batch), batch.spatial_dims
+        crop = lambda x: keep_format(window_crop(x, offset, size, sd), x)  # noqa: E731
+        return batch.map(image=crop, mask=crop)
+
+
+def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Flat indices (N,) into coordinates (N, len(shape)) of a C-ordered ``shape``."""
+    coords = []
+    rest = flat
+    for s in reversed(shape):
+        coords.append(torch.remainder(rest, s))
+        rest = torch.div(rest, s, rounding_mode="floor")
+    return torch.stack(coords[::-1], dim=1)
+
+
+__all__ = ["RandomCrop", "RandomCropByLabel", "window_crop"]

@@ -1,0 +1,502 @@
+"""Interpolating geometric ops: resized crops (2-D) and affine maps (2-D and 3-D).
+
+Each op mirrors a torchvision v2 transform: ``make_params`` draws N parameter sets with
+the distribution torchvision's ``make_params`` uses for one sample, and the apply runs
+the torchvision functional op with those parameters on every sample at once. Images are
+resampled (bilinear or nearest), masks always nearest-neighbour with the same
+parameters; ``other`` fields pass through.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lightning_fastdata.augment_base import (
+    Batch,
+    BatchTransform,
+    chunked,
+    compute_dtype,
+    const,
+    fill_values,
+    float_range,
+    keep_format,
+    spatial_arg,
+    to_input_dtype,
+)
+
+
+def _resample_taps(start: torch.Tensor, length: torch.Tensor, in_size: int, out_size: int, antialias: bool,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample bilinear resampling of the window [start, start+length) to ``out_size`` pixels.
+
+    Returns ``(index, weight)``, each (N, out_size, K): output pixel i of sample n is
+    ``sum_k weight[n, i, k] * input[index[n, i, k]]``. The weights are those of torch's
+    ``_upsample_bilinear2d_aa`` (PIL's algorithm, behind torchvision's antialiased
+    ``resize``) for an input of ``length`` pixels; without antialias the triangle is not
+    widened, which is plain bilinear interpolation. K is a bound known on the host (no
+    device sync); taps past a pixel's window get weight 0.
+    """
+    dev = start.device
+    widest = max(in_size / out_size, 1.0) if antialias else 1.0
+    k = math.ceil(2 * widest) + 1
+    length = length.to(dtype).view(-1, 1)
+    scale = length / out_size
+    widen = (scale >= 1.0) if antialias else torch.zeros_like(scale, dtype=torch.bool)
+    support = torch.where(widen, scale, torch.ones_like(scale))
+    invscale = torch.where(widen, 1.0 / scale, torch.ones_like(scale))
+    center = scale * (torch.arange(out_size, device=dev, dtype=dtype).view(1, -1) + 0.5)
+    xmin = torch.trunc(center - support + 0.5).clamp_(min=0)
+    xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
+    pos = xmin.unsqueeze(-1) + torch.arange(k, device=dev, dtype=dtype)  # (N, out, K), local
+    wts = (1.0 - ((pos - center.unsqueeze(-1) + 0.5) * invscale.unsqueeze(-1)).abs()).clamp_(min=0)
+    wts = torch.where(pos < xmax.unsqueeze(-1), wts, torch.zeros_like(wts))
+    wts = wts / wts.sum(-1, keepdim=True)
+    index = (pos + start.to(dtype).view(-1, 1, 1)).clamp_(max=in_size - 1).long()  # zero-weight taps clamp
+    return index, wts
+
+
+def _resample_rows(x: torch.Tensor, index: torch.Tensor, wts: torch.Tensor | None,
+                   dtype: torch.dtype | None) -> torch.Tensor:
+    """Resample rows (dim 2) of ``x`` (N, M, H, W) with per-sample taps (N, oh, K).
+
+    Each tap copies whole rows with one ``index_select`` (contiguous memory), then adds
+    them weighted: K row copies instead of a dense (oh x H) product per sample. Without
+    weights (nearest), the one tap's rows are returned in ``x``'s dtype.
+    """
+    n, m, h, w = x.shape
+    oh, k = index.shape[1], index.shape[2]
+    rows = x.reshape(n * m * h, w)
+    base = (torch.arange(n * m, device=x.device) * h).view(n, m, 1)
+    out = None
+    for t in range(k):
+        sel = (base + index[:, :, t].view(n, 1, oh)).view(-1)
+        picked = rows.index_select(0, sel).view(n, m, oh, w)
+        if wts is None:
+            return picked
+        picked = picked.to(dtype)
+        weight = wts[:, :, t].view(n, 1, oh, 1)
+        out = picked.mul_(weight) if out is None else out.addcmul_(picked, weight)
+    return out  # type: ignore[return-value]
+
+
+def _nearest_taps(start: torch.Tensor, length: torch.Tensor, out_size: int) -> torch.Tensor:
+    """torch's ``interpolate(mode="nearest")`` source pixel per output pixel: (N, out_size, 1).
+
+    ``min(floor(i * (length / out_size)), length - 1)`` in float32, as torch computes it.
+    """
+    scale = length.to(torch.float32).view(-1, 1) / out_size
+    i = torch.arange(out_size, device=start.device, dtype=torch.float32).view(1, -1)
+    src = torch.minimum(torch.floor(i * scale).long(), length.view(-1, 1) - 1)
+    return (src + start.view(-1, 1)).unsqueeze(-1)
+
+
+def _ratio_range(ratio: Sequence[float]) -> tuple[float, float]:
+    """An aspect-ratio range ``0 < min <= max``."""
+    out = float_range(ratio, "ratio", lower=0.0)
+    if out[0] <= 0:
+        raise ValueError(f"ratio must be > 0, got {ratio!r}")
+    return out
+
+
+def box_attempts(u: torch.Tensor, area: int, scale: Sequence[float], ratio: Sequence[float]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchvision's 10 box attempts per sample from float64 uniforms ``u`` (n, 10, >=2).
+
+    Returns ``(round(sqrt(target * aspect)), round(sqrt(target / aspect)))`` for a target
+    area uniform in ``scale`` x ``area`` and an aspect ratio log-uniform in ``ratio``; which
+    of the two is the height is the caller's (torchvision differs between ops).
+    """
+    target = float(area) * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(lo + (hi - lo) * u[..., 1])
+    return torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
+
+
+def first_valid_box(u: torch.Tensor, ok: torch.Tensor, h: torch.Tensor, w: torch.Tensor, height: int,
+                    width: int) -> tuple[torch.Tensor, ...]:
+    """Each sample's first valid attempt and its position from ``u[..., 2:4]``: (top, left, h, w, any valid)."""
+    first = torch.argmax(ok.to(torch.uint8), dim=1, keepdim=True)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(1, first).squeeze(1)
+
+    h, w, ui, uj = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
+    top = torch.floor(ui * (height - h + 1)).clamp_(max=height - h)
+    left = torch.floor(uj * (width - w + 1)).clamp_(max=width - w)
+    return top, left, h, w, ok.any(dim=1)
+
+
+def _require_2d(batch: Batch, op: str) -> None:
+    if batch.spatial_dims != 2:
+        raise ValueError(f"{op} works on 2-D images (N, C, H, W); the batch has {batch.spatial_dims} spatial dims")
+
+
+class RandomResizedCrop(BatchTransform):
+    """Crop a random area and aspect ratio of each sample and resize it to ``size`` (2-D).
+
+    Parameters follow ``torchvision.transforms.v2.RandomResizedCrop`` (10 attempts, then a
+    central crop); images are resized as ``F.resized_crop`` with bilinear interpolation,
+    masks with nearest-neighbour (as torchvision resizes a ``Mask``), with the same box.
+
+    Args:
+        size: Output (h, w), or an int for a square.
+        scale: Range of the crop's area as a fraction of the input's, 0 < min <= max <= 1.
+        ratio: Range of the crop's aspect ratio (w / h), 0 < min <= max.
+        antialias: Antialias images when downscaling, as torchvision's default.
+    """
+
+    def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0), antialias: bool = True) -> None:
+        size = spatial_arg(size, "size", lowest=1)
+        if len(size) == 3:
+            raise ValueError(f"RandomResizedCrop size is (h, w) or an int, got {size!r}")
+        self.size = size * 2 if len(size) == 1 else size
+        self.scale = float_range(scale, "scale", lower=0.0, upper=1.0)
+        if self.scale[1] <= 0:
+            raise ValueError(f"scale must have max > 0, got {scale!r}")
+        self.ratio = _ratio_range(ratio)
+        self.antialias = bool(antialias)
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-sample crop boxes ``top``, ``left``, ``height``, ``width``: int64 (N,)."""
+        _require_2d(batch, "RandomResizedCrop")
+        height, width = batch.spatial_size
+        u = batch.keys.uniform(0, 40, dtype=torch.float64).view(-1, 10, 4)
+        w, h = box_attempts(u, height * width, self.scale, self.ratio)
+        ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+        top, left, h, w, any_ok = first_valid_box(u, ok, h, w, height, width)
+        # torchvision's fallback after 10 failed attempts: the central crop of clamped ratio.
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            fw, fh = width, int(round(width / self.ratio[0]))
+        elif in_ratio > self.ratio[1]:
+            fw, fh = int(round(height * self.ratio[1])), height
+        else:
+            fw, fh = width, height
+        h = torch.where(any_ok, h, torch.full_like(h, fh))
+        w = torch.where(any_ok, w, torch.full_like(w, fw))
+        top = torch.where(any_ok, top, torch.full_like(top, (height - fh) // 2))
+        left = torch.where(any_ok, left, torch.full_like(left, (width - fw) // 2))
+        return {"top": top.long(), "left": left.long(), "height": h.long(), "width": w.long()}
+
+    def apply_batch(self, batch: Batch, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
+                    width: torch.Tensor) -> Batch:
+        """``F.resized_crop`` of each sample with its own box, all at once."""
+        _require_2d(batch, "RandomResizedCrop")
+
+        def image(x: torch.Tensor) -> torch.Tensor:
+            return keep_format(chunked(self._image, x, top, left, height, width), x)
+
+        def mask(x: torch.Tensor) -> torch.Tensor:
+            rows = _nearest_taps(top, height, self.size[0])
+            cols = _nearest_taps(left, width, self.size[1])
+            flat = x.reshape(x.shape[0], -1, *x.shape[-2:])
+            tmp = _resample_rows(flat, rows, None, None).transpose(2, 3).contiguous()
+            out = _resample_rows(tmp, cols, None, None).transpose(2, 3)
+            return keep_format(out.reshape(*x.shape[:-2], *self.size), x)
+
+        return batch.map(image=image, mask=mask)
+
+    def _image(self, x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
+               width: torch.Tensor) -> torch.Tensor:
+        n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
+        oh, ow = self.size
+        dt = compute_dtype(x)
+        rows = _resample_taps(top, height, h, oh, self.antialias, dt)
+        cols = _resample_taps(left, width, w, ow, self.antialias, dt)
+        flat = x.reshape(n, -1, h, w)
+        # Rows, then columns through a transpose: both passes copy contiguous rows.
+        tmp = _resample_rows(flat, *rows, dt).transpose(2, 3).contiguous()
+        out = _resample_rows(tmp, *cols, dt).transpose(2, 3)
+        return keep_format(to_input_dtype(out, x).reshape(*x.shape[:-2], oh, ow), x)
+
+
+def _inverse_affine(angle: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor, scale: torch.Tensor,
+                    shx: torch.Tensor, shy: torch.Tensor, cx: float, cy: float) -> torch.Tensor:
+    """Batched ``torchvision ... _get_inverse_affine_matrix`` (inverted=True): (N, 2, 3)."""
+    rot, sx, sy = torch.deg2rad(angle), torch.deg2rad(shx), torch.deg2rad(shy)
+    cos_sy, tan_sx = torch.cos(sy), torch.tan(sx)
+    a = torch.cos(rot - sy) / cos_sy
+    b = -(a * tan_sx + torch.sin(rot))
+    c = torch.sin(rot - sy) / cos_sy
+    d = torch.cos(rot) - c * tan_sx
+    m0, m1, m3, m4 = d / scale, -b / scale, -c / scale, a / scale
+    cxt, cyt = cx + tx, cy + ty
+    m2 = cx - m0 * cxt - m1 * cyt
+    m5 = cy - m3 * cxt - m4 * cyt
+    return torch.stack([m0, m1, m2, m3, m4, m5], dim=1).view(-1, 2, 3)
+
+
+#: Spatial axis -> (row axis, column axis) of the plane it rotates, in (D, H, W) positions.
+_PLANES = {-3: (1, 2), -2: (0, 2), -1: (0, 1)}
+
+
+def inverse_affine_3d(angles: torch.Tensor, axes: Sequence[int], translate: torch.Tensor,
+                      scale: torch.Tensor) -> torch.Tensor:
+    """Inverse map (N, 3, 4) over centred (d, h, w) voxel coordinates.
+
+    The forward map rotates by ``angles[:, i]`` degrees about ``axes[i]`` (the last axis
+    first), scales by ``scale`` and translates by ``translate`` ((N, 3) as (tx, ty, tz) =
+    (w, h, d) voxels). Rotation about an axis acts on the plane of the two other axes as
+    torchvision's 2-D ``F.affine(angle)`` acts on (rows, columns) of an image.
+    """
+    n = angles.shape[0]
+    dt = angles.dtype
+    inv = torch.eye(3, dtype=dt, device=angles.device).expand(n, 3, 3)
+    for i, axis in enumerate(axes):
+        r, c = _PLANES[axis]
+        rad = torch.deg2rad(angles[:, i])
+        cos, sin = torch.cos(rad), torch.sin(rad)
+        one = torch.zeros(n, 3, 3, dtype=dt, device=angles.device)
+        one[:, 3 - r - c, 3 - r - c] = 1.0
+        # 2-D inverse rotation of torchvision's F.affine in (x=column, y=row) coordinates:
+        # x_in = cos x + sin y, y_in = -sin x + cos y.
+        one[:, c, c], one[:, c, r] = cos, sin
+        one[:, r, c], one[:, r, r] = -sin, cos
+        # Forward R = R_0 R_1 ... R_k (R_k applied first): inverse R_k^-1 ... R_1^-1 R_0^-1.
+        inv = one @ inv
+    inv = inv / scale.view(n, 1, 1)
+    t_dhw = translate.flip(-1).to(dt).view(n, 3, 1)
+    return torch.cat([inv, -(inv @ t_dhw)], dim=2)
+
+
+def _affine_grid(matrix: torch.Tensor, spatial: Sequence[int], dt: torch.dtype) -> torch.Tensor:
+    """Sampling grid (N, *spatial, sd) for ``grid_sample`` from an inverse map over centred
+    pixel coordinates: (N, 2, 3) over (x, y) for 2-D (torchvision's ``_affine_grid``),
+    (N, 3, 4) over (d, h, w) for 3-D."""
+    n, dev, sd = matrix.shape[0], matrix.device, len(spatial)
+    axes = [torch.linspace((1.0 - s) * 0.5, (s - 1.0) * 0.5, steps=s, device=dev, dtype=dt) for s in spatial]
+    base = torch.empty(1, *spatial, sd + 1, dtype=dt, device=dev)
+    # The columns of ``base``: (x, y, 1) for 2-D as torchvision, (d, h, w, 1) for 3-D.
+    order = [1, 0] if sd == 2 else [0, 1, 2]
+    for col, axis in enumerate(order):
+        view = [1] * sd
+        view[axis] = spatial[axis]
+        base[..., col].copy_(axes[axis].view(view).expand(spatial))
+    base[..., sd].fill_(1)
+    # Output coordinates normalised to [-1, 1] in the matrix, as torchvision does (same rounding).
+    halves = [0.5 * s for s in (reversed(spatial) if sd == 2 else spatial)]
+    theta = matrix.to(dt).transpose(1, 2) / const(halves, dev, dt)  # (N, sd + 1, sd)
+    grid = base.view(1, -1, sd + 1).expand(n, -1, -1).bmm(theta).view(n, *spatial, sd)
+    return grid.flip(-1) if sd == 3 else grid  # grid_sample reads (x, y, z) = (w, h, d)
+
+
+def _affine_image(x: torch.Tensor, matrix: torch.Tensor, sd: int, interpolation: str,
+                  fill: list[float]) -> torch.Tensor:
+    """torchvision's ``_affine_grid`` + ``_apply_grid_transform``, one matrix per sample."""
+    n, spatial, c = x.shape[0], tuple(x.shape[-sd:]), x.shape[-sd - 1]
+    dt = compute_dtype(x)
+    dev = x.device
+    grid = _affine_grid(matrix, spatial, dt)
+    flat = x.reshape(n, -1, *spatial).to(dt)
+    # torchvision appends a channel of ones and samples it too: where it falls outside the
+    # image the fill shows, blended with the same weights as the pixels.
+    flat = torch.cat([flat, torch.ones(n, 1, *spatial, dtype=dt, device=dev)], dim=1)
+    out = F.grid_sample(flat, grid, mode=interpolation, padding_mode="zeros", align_corners=False)
+    img, weight = out[:, :-1], out[:, -1:]
+    if len(fill) not in (1, c):
+        raise ValueError(f"fill has {len(fill)} values, the batch has {c} channels; give 1 or {c}")
+    ones = [1] * sd
+    fill_t = const(fill, dev, dt).view(1, 1, -1, *ones)
+    img_s = img.view(n, -1, c, *spatial)
+    weight_s = weight.view(n, 1, 1, *spatial)
+    if interpolation == "nearest":
+        img_s = torch.where(weight_s < 0.5, fill_t.expand_as(img_s), img_s)
+    else:
+        img_s = (img_s - fill_t) * weight_s + fill_t
+    return keep_format(to_input_dtype(img_s, x).view(x.shape), x)
+
+
+def _affine_mask(x: torch.Tensor, matrix: torch.Tensor, sd: int) -> torch.Tensor:
+    """Nearest-neighbour resampling of a mask (any dtype), 0 outside the input."""
+    n, spatial = x.shape[0], tuple(x.shape[-sd:])
+    flat = x.reshape(n, -1, *spatial)
+    # float64 holds every int32 label exactly (float32 would round labels above 2**24).
+    dt = torch.float32 if x.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16) \
+        else torch.float64
+    grid = _affine_grid(matrix, spatial, torch.float32 if dt == torch.float32 else torch.float64)
+    out = F.grid_sample(flat.to(dt), grid, mode="nearest", padding_mode="zeros", align_corners=False)
+    return keep_format(out.to(x.dtype).view(x.shape), x)
+
+
+_INTERPOLATIONS = ("nearest", "bilinear")
+
+
+class RandomAffine(BatchTransform):
+    """Random rotation, translation, scale (and, in 2-D, shear) per sample: one batched ``grid_sample``.
+
+    2-D parameters and output follow ``torchvision.transforms.v2.RandomAffine`` / ``F.affine``
+    (translations are whole pixels, as torchvision rounds them). Volumes (N, C, D, H, W) are
+    rotated about each of ``axes`` by its own angle drawn from ``degrees`` (about -3, the
+    depth axis, each D-slice turns as the 2-D op turns an image), scaled isotropically and
+    translated by whole voxels; shear and ``center`` are 2-D only. Masks are resampled
+    nearest-neighbour with the same map and 0 outside; ``other`` fields pass through.
+
+    Args:
+        degrees: Rotation range (min, max), or d for (-d, d).
+        translate: Maximum shift as a fraction of (width, height[, depth]), each in [0, 1].
+        scale: Scale range (min, max), both > 0.
+        shear: Shear range in degrees (2-D): s for x in (-s, s), (min, max) for x, or
+            (xmin, xmax, ymin, ymax).
+        interpolation: Images: "nearest" (torchvision's default) or "bilinear" (trilinear in 3-D).
+        fill: Images: value (or one per channel) of the area outside the input.
+        center: Rotation center (x, y) in pixels (2-D); default the image center.
+        axes: Volumes: the axes rotated about, among -3 (D), -2 (H), -1 (W); the last
+            listed is applied first.
+    """
+
+    def __init__(self, degrees: float | Sequence[float], translate: Sequence[float] | None = None,
+                 scale: Sequence[float] | None = None, shear: float | Sequence[float] | None = None,
+                 interpolation: str = "nearest", fill: float | Sequence[float] = 0.0,
+                 center: Sequence[float] | None = None, axes: Sequence[int] = (-3,)) -> None:
+        self.degrees = float_range(degrees, "degrees")
+        if translate is not None:
+            translate = tuple(float(t) for t in translate)
+            if len(translate) not in (2, 3) or not all(0.0 <= t <= 1.0 for t in translate):
+                raise ValueError(f"translate must be (fx, fy) or (fx, fy, fz) with values in [0, 1], got {translate!r}")
+        self.translate = translate
+        if scale is not None:
+            scale = float_range(scale, "scale", lower=0.0)
+            if scale[0] <= 0:
+                raise ValueError(f"scale values must be > 0, got {scale!r}")
+        self.scale = scale
+        if shear is not None:
+            if isinstance(shear, (int, float)):
+                shear = float_range(shear, "shear")
+            else:
+                vals = tuple(float(s) for s in shear)
+                if len(vals) not in (2, 4):
+                    raise ValueError(f"shear must be a number, or 2 or 4 numbers, got {shear!r}")
+                float_range(vals[:2], "shear (x)")
+                if len(vals) == 4:
+                    float_range(vals[2:], "shear (y)")
+                shear = vals
+        self.shear = shear
+        if interpolation not in _INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}")
+        self.interpolation = interpolation
+        self.fill = fill_values(fill, "fill")
+        if center is not None:
+            center = tuple(float(c) for c in center)
+            if len(center) != 2:
+                raise ValueError(f"center must be a pair (x, y), got {center!r}")
+        self.center = center
+        axes = tuple(int(a) for a in axes)
+        if not axes or len(set(axes)) != len(axes) or not all(a in _PLANES for a in axes):
+            raise ValueError(f"axes must be distinct spatial axes among -3 (D), -2 (H), -1 (W), got {axes!r}")
+        self.axes = axes
+
+    def _check_3d(self, batch: Batch) -> None:
+        name = type(self).__name__
+        if self.shear is not None or self.center is not None:
+            raise ValueError(f"{name} shear and center are 2-D only; the batch has 3 spatial dims")
+        if self.translate is not None and len(self.translate) != 3:
+            raise ValueError(f"{name} translate={self.translate} needs 3 fractions (fx, fy, fz) for volumes")
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """2-D: ``angle``, ``tx``, ``ty``, ``scale``, ``shear_x``, ``shear_y``, each float64 (N,).
+        3-D: ``angles`` (N, len(axes)) degrees, ``translate`` (N, 3) voxels (x, y, z), ``scale`` (N,)."""
+        if batch.spatial_dims == 3:
+            self._check_3d(batch)
+            return self._params_3d(batch)
+        if self.translate is not None and len(self.translate) != 2:
+            raise ValueError(f"{type(self).__name__} translate={self.translate} needs 2 fractions (fx, fy) for images")
+        height, width = batch.spatial_size
+        u = batch.keys.uniform(0, 6, dtype=torch.float64).T
+
+        def lerp(lo: float, hi: float, v: torch.Tensor) -> torch.Tensor:
+            return lo + (hi - lo) * v
+
+        out = {"angle": lerp(*self.degrees, u[0])}
+        zero, one = torch.zeros_like(u[0]), torch.ones_like(u[0])
+        if self.translate is not None:
+            mx, my = float(self.translate[0] * width), float(self.translate[1] * height)
+            out["tx"], out["ty"] = torch.round(lerp(-mx, mx, u[1])), torch.round(lerp(-my, my, u[2]))
+        else:
+            out["tx"], out["ty"] = zero, zero
+        out["scale"] = lerp(*self.scale, u[3]) if self.scale is not None else one
+        out["shear_x"] = lerp(self.shear[0], self.shear[1], u[4]) if self.shear is not None else zero
+        out["shear_y"] = (lerp(self.shear[2], self.shear[3], u[5])
+                          if self.shear is not None and len(self.shear) == 4 else zero)
+        return out
+
+    def _params_3d(self, batch: Batch) -> dict[str, torch.Tensor]:
+        k = len(self.axes)
+        u = batch.keys.uniform(0, k + 4, dtype=torch.float64)
+        lo, hi = self.degrees
+        angles = lo + (hi - lo) * u[:, :k]
+        if self.translate is not None:
+            d, h, w = batch.spatial_size
+            most = const([f * s for f, s in zip(self.translate, (w, h, d), strict=True)], u.device, torch.float64)
+            translate = torch.round((2.0 * u[:, k:k + 3] - 1.0) * most)
+        else:
+            translate = torch.zeros_like(u[:, k:k + 3])
+        scale = self.scale[0] + (self.scale[1] - self.scale[0]) * u[:, k + 3] if self.scale is not None \
+            else torch.ones_like(u[:, 0])
+        return {"angles": angles, "translate": translate, "scale": scale}
+
+    def _center(self, height: int, width: int) -> tuple[float, float]:
+        if self.center is None:
+            return 0.0, 0.0
+        return self.center[0] - width * 0.5, self.center[1] - height * 0.5
+
+    def matrix(self, batch: Batch, **params: torch.Tensor) -> torch.Tensor:
+        """The per-sample inverse maps at ``params``: (N, 2, 3) over (x, y), or (N, 3, 4) over (d, h, w)."""
+        if batch.spatial_dims == 3:
+            self._check_3d(batch)
+            return inverse_affine_3d(params["angles"], self.axes, params["translate"], params["scale"])
+        cx, cy = self._center(*batch.spatial_size)
+        return _inverse_affine(params["angle"], params["tx"], params["ty"], params["scale"],
+                               params["shear_x"], params["shear_y"], cx, cy)
+
+    def apply_batch(self, batch: Batch, **params: torch.Tensor) -> Batch:
+        """``F.affine`` of each sample with its own parameters, all at once."""
+        m = self.matrix(batch, **params)
+        sd = batch.spatial_dims
+
+        def image(x: torch.Tensor) -> torch.Tensor:
+            fn = lambda xs, ms: _affine_image(xs, ms, sd, self.interpolation, self.fill)  # noqa: E731
+            return keep_format(chunked(fn, x, m), x)
+
+        return batch.map(image=image, mask=lambda x: _affine_mask(x, m, sd))
+
+
+class RandomRotation(RandomAffine):
+    """Rotate each sample by its own random angle (``torchvision.transforms.v2.RandomRotation``).
+
+    The output keeps the input size (torchvision's ``expand=False``); masks turn alike,
+    nearest-neighbour. Volumes turn about each of ``axes``, as ``RandomAffine``.
+
+    Args:
+        degrees: Angle range (min, max), or d for (-d, d); counter-clockwise.
+        interpolation: Images: "nearest" (torchvision's default) or "bilinear".
+        fill: Images: value (or one per channel) of the area outside the input.
+        center: Rotation center (x, y) in pixels (2-D); default the image center.
+        axes: Volumes: the axes rotated about, among -3 (D), -2 (H), -1 (W).
+    """
+
+    def __init__(self, degrees: float | Sequence[float], interpolation: str = "nearest",
+                 fill: float | Sequence[float] = 0.0, center: Sequence[float] | None = None,
+                 axes: Sequence[int] = (-3,)) -> None:
+        super().__init__(degrees, interpolation=interpolation, fill=fill, center=center, axes=axes)
+
+    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """2-D: ``angle`` float64 (N,), degrees counter-clockwise. 3-D: as ``RandomAffine``."""
+        p = super().make_params(batch)
+        return p if batch.spatial_dims == 3 else {"angle": p["angle"]}
+
+    def apply_batch(self, batch: Batch, **params: torch.Tensor) -> Batch:
+        """``F.rotate`` of each sample by its own angle."""
+        if batch.spatial_dims == 3:
+            return super().apply_batch(batch, **params)
+        angle = params["angle"]
+        zero, one = torch.zeros_like(angle), torch.ones_like(angle)
+        # torchvision's rotate passes -angle to the same inverse matrix as affine.
+        return super().apply_batch(batch, angle=-angle, tx=zero, ty=zero, scale=one, shear_x=zero, shear_y=zero)
+
+
+__all__ = ["RandomAffine", "RandomResizedCrop", "RandomRotation"]

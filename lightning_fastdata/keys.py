@@ -1,0 +1,333 @@
+"""Counter-based randomness keyed by the sample: no generator state, no host sync.
+
+Every random number an augmentation draws is a pure function of
+``(seed, stream, epoch, global sample index, op path, slot, element counter)``:
+
+- the scalar parts (seed, stream, epoch, the op's path inside ``Compose``/``RandomApply``,
+  the draw slot) are folded on the host, in Python integers, into one 64-bit constant ``H``;
+- each sample's index is scrambled once per batch on the device: ``I = mix(index * G + G)``;
+- element ``j`` of a draw is ``mix((I ^ H) + (j + 1) * G)``: a splitmix64 sequence started
+  at ``I ^ H``.
+
+``mix`` is the splitmix64 finaliser and ``G`` its golden-ratio increment. On accelerators
+it is int64 tensor arithmetic (multiplication and addition wrap modulo 2**64, logical
+right shifts are arithmetic shifts with the sign bits masked off), so it runs on the
+device with no host round trip; on the CPU the same bits come from numpy's uint64 ops
+(fewer, faster dispatches). A sample gets the same numbers whatever batch it sits in,
+whatever the batch size, world size, strategy or resume point. ``H`` folds
+``(seed, stream, epoch, len(path), *path, slot)`` in that order.
+
+Conversions: uniforms take the top 24 bits (float32) or 53 bits (float64); normals use
+Box-Muller on the two 32-bit halves of one value, in float64 (tails to 6.6 sigma);
+``randint`` is ``floor(u * (high - low)) + low`` with a float64 ``u``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+#: splitmix64 constants, as unsigned integers (the reference) and as int64 (the tensors).
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+
+
+def _signed(v: int) -> int:
+    """The int64 with the same 64 bits as the unsigned ``v``."""
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_GOLDEN_S, _MIX1_S, _MIX2_S = _signed(GOLDEN), _signed(MIX1), _signed(MIX2)
+
+
+def mix64(z: int) -> int:
+    """splitmix64's finaliser on a Python integer (the reference the tensors must equal)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def fold(*parts: int) -> int:
+    """Fold integers (each taken modulo 2**64) into one 64-bit value, order-sensitive."""
+    h = 0
+    for p in parts:
+        h = mix64((h ^ (p & _MASK64)) + GOLDEN)
+    return h
+
+
+@functools.lru_cache(maxsize=4096)
+def _fold_cached(parts: tuple[int, ...]) -> int:
+    # Every batch asks for the same few (seed, stream, epoch, path) prefixes.
+    return fold(*parts)
+
+
+def _xorshift_(z: torch.Tensor, s: int) -> torch.Tensor:
+    """``z ^= z >>> s`` (logical shift) in place on int64."""
+    return z.bitwise_xor_(torch.bitwise_right_shift(z, s).bitwise_and_((1 << (64 - s)) - 1))
+
+
+def mix64_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on an int64 tensor, in place (wrapping arithmetic), any device."""
+    _xorshift_(z, 30).mul_(_MIX1_S)
+    _xorshift_(z, 27).mul_(_MIX2_S)
+    return _xorshift_(z, 31)
+
+
+def mix64_np_(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a uint64 array, in place (numpy's shifts are logical)."""
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(MIX1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(MIX2)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+#: On the CPU the hash runs in numpy: unsigned 64-bit ops, a third of the dispatches and
+#: several times faster per element than int64 torch ops. Both give the same bits.
+USE_NUMPY_ON_CPU = True
+
+
+def _numpy_engine(device: torch.device) -> bool:
+    return USE_NUMPY_ON_CPU and device.type == "cpu"
+
+
+def scramble(index: torch.Tensor) -> torch.Tensor:
+    """``mix(index * G + G)``: the per-sample part of every key, int64 on the index's device."""
+    if _numpy_engine(index.device):
+        z = index.numpy().view(np.uint64) * np.uint64(GOLDEN)  # a new array: the index is never written
+        z += np.uint64(GOLDEN)
+        return torch.from_numpy(mix64_np_(z).view(np.int64))
+    return mix64_(index.mul(_GOLDEN_S).add_(_GOLDEN_S))
+
+
+_COUNTERS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _counters(k: int, device: torch.device) -> torch.Tensor:
+    """``(j + 1) * GOLDEN`` for j < k, int64 (cached for small k: one tensor per (k, device))."""
+    key = (k, str(device))
+    out = _COUNTERS.get(key)
+    if out is None:
+        out = torch.arange(1, k + 1, dtype=torch.int64, device=device).mul_(_GOLDEN_S)
+        if k <= 4096:
+            _COUNTERS[key] = out
+    return out
+
+
+_COUNTERS_NP: dict[int, np.ndarray] = {}
+
+
+def _counters_np(k: int) -> np.ndarray:
+    """``(j + 1) * GOLDEN`` for j < k as uint64 (cached for small k)."""
+    out = _COUNTERS_NP.get(k)
+    if out is None:
+        out = np.arange(1, k + 1, dtype=np.uint64) * np.uint64(GOLDEN)
+        if k <= 4096:
+            _COUNTERS_NP[k] = out
+    return out
+
+
+def _hash_np(scrambled: torch.Tensor, h: int, k: int | None) -> np.ndarray:
+    """``hash_bits`` in numpy: a uint64 array (N,) or (N, k)."""
+    z = scrambled.numpy().view(np.uint64) ^ np.uint64(h & _MASK64)
+    if k is None:
+        z += np.uint64(GOLDEN)
+    else:
+        z = z[:, None] + _counters_np(int(k))
+    return mix64_np_(z)
+
+
+_HOST_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _host_constant(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """float64 constants on an accelerator, made once with fills (no blocking host copy)."""
+    key = (tuple(values), str(device))
+    out = _HOST_CONSTANTS.get(key)
+    if out is None and device.type == "cpu":
+        out = _HOST_CONSTANTS[key] = torch.tensor(values, dtype=torch.float64)
+    if out is None:
+        out = torch.empty(len(values), dtype=torch.float64, device=device)
+        for i, v in enumerate(values):
+            out[i].fill_(float(v))
+        _HOST_CONSTANTS[key] = out
+    return out
+
+
+def hash_bits(scrambled: torch.Tensor, h: int, k: int | None) -> torch.Tensor:
+    """``mix((scrambled ^ h) + (j + 1) * G)``: (N,) for ``k=None`` (j = 0), else (N, k); int64."""
+    hs = _signed(h)
+    if _numpy_engine(scrambled.device):
+        return torch.from_numpy(_hash_np(scrambled, h, k).view(np.int64))
+    state = scrambled.bitwise_xor(hs)
+    if k is None:
+        return mix64_(state.add_(_GOLDEN_S))
+    return mix64_(state.view(-1, 1) + _counters(int(k), state.device))
+
+
+class SampleKeys:
+    """The random keys of the samples of one batch.
+
+    Args:
+        seed: The run's seed.
+        epoch: The epoch the batch belongs to.
+        index: Global sample indices, one per row of the batch (an integer tensor on the
+            batch's device).
+        stream: Separates independent uses of one seed (e.g. training vs evaluation).
+        path: Position of the op inside nested ``Compose``/``RandomApply`` (set by them).
+    """
+
+    def __init__(self, seed: int, epoch: int, index: torch.Tensor, stream: int = 0,
+                 path: tuple[int, ...] = ()) -> None:
+        if not isinstance(index, torch.Tensor) or index.ndim != 1 or index.is_floating_point() \
+                or index.is_complex() or index.dtype == torch.bool:
+            what = f"{index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, torch.Tensor) \
+                else type(index).__name__
+            raise TypeError(f"SampleKeys index must be a 1-D integer tensor (one global index per sample), got {what}")
+        for name, value in (("seed", seed), ("epoch", epoch), ("stream", stream)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SampleKeys {name} must be an int, got {value!r}")
+        self.seed, self.epoch, self.stream = seed, epoch, stream
+        self.path = tuple(int(p) for p in path)
+        self.index = index.long()
+        # The scrambled indices, computed once and shared by every child (same rows).
+        self._scrambled: list[torch.Tensor | None] = [None]
+        self._base = _fold_cached((seed, stream, epoch, len(self.path), *self.path))
+
+    @classmethod
+    def for_batch(cls, n: int, device: torch.device | str | None = None, seed: int = 0,
+                  epoch: int = 0) -> SampleKeys:
+        """Keys for a batch whose rows are samples ``0 .. n-1`` (a standalone call)."""
+        return cls(seed, epoch, torch.arange(n, device=device))
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """The device the draws are computed on."""
+        return self.index.device
+
+    def __repr__(self) -> str:
+        return (f"SampleKeys(seed={self.seed}, epoch={self.epoch}, stream={self.stream}, "
+                f"path={self.path}, n={len(self)}, device={self.device})")
+
+    def _derived(self, index: torch.Tensor, scrambled: list[torch.Tensor | None],
+                 path: tuple[int, ...]) -> SampleKeys:
+        out = SampleKeys.__new__(SampleKeys)
+        out.seed, out.epoch, out.stream, out.path = self.seed, self.epoch, self.stream, path
+        out.index, out._scrambled = index, scrambled
+        out._base = _fold_cached((self.seed, self.stream, self.epoch, len(path), *path))
+        return out
+
+    def child(self, position: int) -> SampleKeys:
+        """The keys of the op at ``position`` inside this op (same samples, a longer path)."""
+        return self._derived(self.index, self._scrambled, (*self.path, int(position)))
+
+    def take(self, rows: torch.Tensor) -> SampleKeys:
+        """The keys of a subset of the rows (same draws for the same samples)."""
+        have = self._scrambled[0]
+        scrambled = [None if have is None else have.index_select(0, rows)]
+        return self._derived(self.index.index_select(0, rows), scrambled, self.path)
+
+    def _sample_state(self) -> torch.Tensor:
+        """The scrambled indices ``I`` (computed once per batch, shared by the children)."""
+        scrambled = self._scrambled[0]
+        if scrambled is None:
+            scrambled = self._scrambled[0] = scramble(self.index)
+        return scrambled
+
+    def _slot_key(self, slot: int) -> int:
+        return mix64((self._base ^ (int(slot) & _MASK64)) + GOLDEN)
+
+    def bits(self, slot: int, k: int | None = None) -> torch.Tensor:
+        """Raw 64-bit draws as int64: (N,) or (N, k) (element counter 0 .. k-1)."""
+        return hash_bits(self._sample_state(), self._slot_key(slot), k)
+
+    def uniform(self, slot: int, k: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Uniform draws in [0, 1): (N,) or (N, k), float32 (24 bits) or float64 (53 bits)."""
+        return _to_uniform(self.bits(slot, k), dtype)
+
+    def _uniform64(self, slot: int, k: int | None) -> np.ndarray | torch.Tensor:
+        """float64 uniforms, as a numpy array on the numpy engine (callers finish there: a few
+        numpy ops cost less than torch dispatches on small per-sample draws)."""
+        state = self._sample_state()
+        if _numpy_engine(state.device):
+            z = _hash_np(state, self._slot_key(slot), k)
+            return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return _to_uniform(hash_bits(state, self._slot_key(slot), k), torch.float64)
+
+    def integers(self, slot: int, highs: Sequence[int]) -> torch.Tensor:
+        """Integers per sample and column: (N, len(highs)) int64, column j uniform in [0, highs[j])
+        (0 where ``highs[j] <= 0``)."""
+        highs = [max(int(h), 1) for h in highs]
+        u = self._uniform64(slot, len(highs))
+        if isinstance(u, np.ndarray):
+            top = np.asarray(highs, dtype=np.float64)
+            return torch.from_numpy(np.minimum(np.floor(u * top), top - 1).astype(np.int64))
+        top = _host_constant(highs, u.device)
+        return torch.minimum(torch.floor(u * top), top - 1).long()
+
+    def normal(self, slot: int, shape: Sequence[int] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Standard normal draws, one per element: (N, *shape), computed in float64 (Box-Muller)."""
+        shape = tuple(int(s) for s in shape)
+        numel = math.prod(shape)
+        hi, lo = _halves(self.bits(slot, numel))  # (N, numel) each, float64 in [0, 2**32)
+        # r from (hi + 1) / 2**32 in (0, 1]: log is finite; theta uniform in [0, 2 pi). float64,
+        # so that a one-ulp difference between a kernel's vector body and its scalar tail
+        # (where a sample's elements land depends on the batch) vanishes in the rounding.
+        r = hi.add_(1.0).mul_(2.0 ** -32).log_().mul_(-2.0).sqrt_()
+        z = lo.mul_(2.0 * math.pi * 2.0 ** -32).cos_().mul_(r)
+        return z.to(dtype).view(len(self), *shape)
+
+    def randint(self, slot: int, low: int | torch.Tensor, high: int | torch.Tensor) -> torch.Tensor:
+        """Integers uniform in [low, high) per sample, int64 (N,); ``high`` may be a (N,) tensor.
+
+        Where ``high <= low`` the result is ``low``.
+        """
+        u = self.uniform(slot, dtype=torch.float64)
+        span = high - low
+        if isinstance(span, torch.Tensor):
+            out = torch.floor(u * span.to(torch.float64)).long()
+            return torch.minimum(out, (span - 1).clamp_(min=0).long()).add_(low)
+        out = torch.floor(u * float(span)).long()
+        return out.clamp_(min=0, max=max(int(span) - 1, 0)).add_(low)
+
+    def bernoulli(self, slot: int, p: float, k: int | None = None) -> torch.Tensor:
+        """Coins, True with probability ``p`` (a 53-bit uniform below ``p``): bool (N,) or (N, k)."""
+        u = self._uniform64(slot, k)
+        if isinstance(u, np.ndarray):
+            return torch.from_numpy(u < float(p))
+        return u < float(p)
+
+
+def _halves(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32 bits of ``v`` as float64 tensors."""
+    if _numpy_engine(v.device):
+        a = v.numpy().view(np.uint64)
+        return (torch.from_numpy((a >> np.uint64(32)).astype(np.float64)),
+                torch.from_numpy((a & np.uint64(0xFFFFFFFF)).astype(np.float64)))
+    hi = torch.bitwise_right_shift(v, 32).bitwise_and_(0xFFFFFFFF).to(torch.float64)
+    return hi, v.bitwise_and(0xFFFFFFFF).to(torch.float64)
+
+
+def _to_uniform(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Top 24 (float32) or 53 (float64) bits of ``v`` as a uniform in [0, 1) (exact conversions)."""
+    if dtype not in (torch.float32, torch.float64):
+        # Narrower floats would round values near 1 up to 1.0.
+        raise ValueError(f"uniform dtype must be torch.float32 or torch.float64, got {dtype}")
+    keep = 24 if dtype == torch.float32 else 53
+    if _numpy_engine(v.device):
+        u = (v.numpy().view(np.uint64) >> np.uint64(64 - keep)).astype(np.float32 if keep == 24 else np.float64)
+        u *= 2.0 ** -keep
+        return torch.from_numpy(u)
+    return torch.bitwise_right_shift(v, 64 - keep).bitwise_and_((1 << keep) - 1).to(dtype).mul_(2.0 ** -keep)

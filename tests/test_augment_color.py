@@ -1,0 +1,166 @@
+"""Photometric ops: torchvision equality per sample (ToDtype for every integer dtype,
+Normalize, ColorJitter, RandomErasing), torchvision's parameter distributions, and masks
+and ``other`` fields left untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as TF
+from _augment_util import close, images, keys, ks_ok, tv_params, within_binomial
+
+from lightning_fastdata import augment as A
+
+INT_DTYPES = [torch.uint8, torch.int16, torch.uint16, torch.int32]
+
+
+def _ints(dtype, shape=(4, 3, 6, 7)):
+    top = {torch.uint8: 255, torch.int16: 32767, torch.uint16: 65535, torch.int32: 2**31 - 1}[dtype]
+    low = -top - 1 if dtype.is_signed else 0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 2**62, shape, dtype=torch.int64, generator=g) % (top - low + 1) + low
+    x.view(-1)[:2] = torch.tensor([low, top])  # the extremes
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+@pytest.mark.parametrize("target", [torch.float32, torch.float64])
+def test_to_dtype_scales_integers_by_their_maximum_as_torchvision(dtype, target):
+    x = _ints(dtype)
+    name = str(target).removeprefix("torch.")
+    out = A.ToDtype(name, scale=True)(x)
+    ref = TF.to_dtype(x, target, scale=True)
+    assert out.dtype == target and torch.equal(out, ref)
+    if dtype != torch.int32 or target == torch.float64:  # torchvision refuses float32 -> int32
+        unit = ref.clamp(0, 1)
+        back = A.ToDtype(str(dtype).removeprefix("torch."), scale=True)(unit)
+        theirs = TF.to_dtype(unit, dtype, scale=True)
+        if dtype == torch.uint16 and target == torch.float32:
+            # float32(65535 + 1 - 1e-3) rounds to 65536: torchvision wraps 1.0 to 0; we clamp to 65535.
+            theirs = torch.where(unit == 1.0, torch.tensor(65535, dtype=torch.int32), theirs.to(torch.int32))
+            theirs = theirs.to(torch.uint16)
+        assert torch.equal(back, theirs)
+
+
+@pytest.mark.parametrize("src,dst", [(torch.uint8, torch.int16), (torch.int16, torch.uint8),
+                                     (torch.uint16, torch.uint8), (torch.uint8, torch.uint16),
+                                     (torch.int32, torch.int16)])
+def test_to_dtype_between_integers_as_torchvision(src, dst):
+    x = _ints(src).clamp(min=0) if src.is_signed else _ints(src)
+    out = A.ToDtype(str(dst).removeprefix("torch."))(x)
+    assert torch.equal(out, TF.to_dtype(x, dst, scale=True))
+
+
+def test_to_dtype_clamps_out_of_range_floats_and_leaves_masks_alone():
+    x = torch.tensor([-0.5, 0.0, 0.5, 1.0, 1.5]).view(1, 1, 1, 5)
+    out = A.ToDtype("uint8")(x)
+    assert out.view(-1).tolist() == [0, 0, 127, 255, 255]
+    mask = torch.ones(1, 1, 5, dtype=torch.int64) * 3
+    batch = A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"})
+    out = A.ToDtype("float16")(batch)
+    assert out.fields["mask"] is mask and out.fields["image"].dtype == torch.float16
+    with pytest.raises(ValueError, match="cannot convert"):
+        A.ToDtype("int32")(torch.zeros(1, 1, 2, 2))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        A.ToDtype("int4")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.float32])
+def test_normalize_equals_torchvision_and_scales_integers_by_their_maximum(dtype):
+    x = images(4) if dtype != torch.int16 else (images(4).to(torch.int16) * 128)
+    if dtype == torch.float32:
+        x = x.float() / 255
+    mean, std = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
+    out = A.Normalize(mean, std)(x)
+    close(out, TF.normalize(TF.to_dtype(x, torch.float32, scale=True), mean, std))
+    vol = torch.rand(2, 3, 4, 5, 6)
+    ref = TF.normalize(vol.reshape(2, 3, 4, 30), mean, std).view(2, 3, 4, 5, 6)
+    close(A.Normalize(mean, std)(vol), ref)
+    with pytest.raises(ValueError, match="3 channel means, the batch has 2"):
+        A.Normalize(mean, std)(torch.rand(2, 2, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_color_jitter_equals_torchvision(dtype):
+    x = images(6, dtype=dtype)
+    op = A.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4)
+    p = op.draw(x, keys(6, seed=1))
+    out = op.apply(x, **p)
+    fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]
+    for i in range(6):
+        ref = x[i]
+        for k in p["order"][i].tolist():
+            ref = fns[k](ref, float(p["factors"][i, k]))
+        close(out[i], ref)
+
+
+def test_color_jitter_skips_absent_adjustments():
+    # Only brightness: float values above 1 survive the (absent) contrast/saturation clamps.
+    x = torch.full((2, 3, 4, 4), 0.5)
+    out = A.ColorJitter(brightness=(2.0, 2.0))(x)
+    assert torch.allclose(out, TF.adjust_brightness(x, 2.0))
+
+
+def test_color_jitter_parameters_match_torchvision():
+    n = 6000
+    p = A.ColorJitter(0.4, (0.5, 1.2), 0.8).draw(torch.zeros(n, 3, 2, 2), keys(n, seed=6))
+    ref = tv_params(T.ColorJitter(0.4, (0.5, 1.2), 0.8), n)
+    for k, key in enumerate(("brightness_factor", "contrast_factor", "saturation_factor")):
+        assert ks_ok(p["factors"][:, k].numpy(), [r[key] for r in ref]), key
+    # Every order of the three adjustments is equally likely (torchvision: randperm).
+    codes = (p["order"] * torch.tensor([9, 3, 1])).sum(1)
+    counts = torch.unique(codes, return_counts=True)[1]
+    assert counts.numel() == 6 and all(within_binomial(int(c), n, 1 / 6) for c in counts)
+
+
+@pytest.mark.parametrize("value", [0.0, (0.2, 0.4, 0.6), "random"])
+def test_random_erasing_equals_torchvision(value):
+    x = images(5, dtype=torch.float32)
+    op = A.RandomErasing(p=1.0, value=value)
+    p = op.draw(x, keys(5, seed=2))
+    out = op.apply(x, **p)
+    for i in range(5):
+        box = [int(p[k][i]) for k in ("top", "left", "h", "w")]
+        if value == "random":  # noise per pixel, keyed by the pixel: the box's share of it
+            v = p["noise"]["image"][i, :, box[0]:box[0] + box[2], box[1]:box[1] + box[3]]
+        else:
+            v = torch.tensor([value] if isinstance(value, float) else value)[:, None, None]
+        ref = TF.erase(x[i], *box, v) if p["erase"][i] else x[i]
+        close(out[i], ref)
+
+
+def test_random_erasing_parameters_match_torchvision():
+    n = 4000
+    p = A.RandomErasing(p=1.0).draw(torch.zeros(n, 3, 20, 24), keys(n, seed=7))
+    ref = [r for r in tv_params(T.RandomErasing(p=1.0), n) if r["v"] is not None]
+    sel = p["erase"].numpy()
+    assert within_binomial(int(sel.sum()), n, len(ref) / n, sigmas=6)
+    for ours, key in (("top", "i"), ("left", "j"), ("h", "h"), ("w", "w")):
+        assert ks_ok(p[ours].numpy()[sel], [r[key] for r in ref]), key
+    rate = int(A.RandomErasing(p=0.3).draw(torch.zeros(10_000, 3, 20, 24), keys(10_000, seed=8))["erase"].sum())
+    assert within_binomial(rate, 10_000, 0.3 * sel.mean(), sigmas=6)
+
+
+@pytest.mark.parametrize("op", [A.ToDtype("float32"), A.Normalize([0.5] * 3, [0.2] * 3),
+                                A.ColorJitter(0.4, 0.4, 0.4), A.RandomErasing(p=1.0)],
+                         ids=lambda o: type(o).__name__)
+def test_photometric_ops_leave_masks_and_other_fields_untouched(op):
+    x = images(4)
+    mask = torch.randint(0, 3, (4, 20, 24))
+    meta = [f"sample {i}" for i in range(4)]
+    batch = A.Batch({"image": x, "mask": mask, "meta": meta}, {"image": "image", "mask": "mask"}, keys(4))
+    out = op(batch)
+    assert out.fields["mask"] is mask and out.fields["meta"] is meta
+    assert not torch.equal(out.fields["image"].float(), x.float())
+
+
+def test_bad_batches_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="channels"):
+        A.ColorJitter(0.2)(torch.rand(2, 4, 8, 8))
+    with pytest.raises(ValueError, match="float batch"):
+        A.RandomErasing(p=1.0, value="random")(torch.zeros(2, 3, 8, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="2-D images"):
+        A.ColorJitter(0.2)(torch.rand(2, 3, 4, 8, 8))
+    with pytest.raises(ValueError, match="value"):
+        A.RandomErasing(value="noise")

@@ -1,0 +1,287 @@
+"""Crops: RandomCrop (2-D, 3-D, fused with a flip) bit-identical to pad-then-slice and to
+torchvision per sample; RandomCropByLabel's centres, windows and foreground share."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _augment_util import both_paths, images, keys, within_binomial  # noqa: F401
+from torchvision.transforms.v2 import functional as TF
+
+from lightning_fastdata import augment as A
+from lightning_fastdata.augment_crop import window_crop
+
+
+def _batch(shape, dtype=torch.uint8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=dtype, generator=g)
+    if dtype in (torch.int16, torch.uint16):
+        return torch.randint(0, 3000, shape, dtype=torch.int32, generator=g).to(dtype)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _reference_crop(x, offset, size, padding, fill, flip=None):
+    """F.pad, then one slice per sample (and a mirror): the plain, obviously right version."""
+    sd = len(size)
+    n = x.shape[0]
+    lead = x.shape[1:x.ndim - sd]
+    flat = x.reshape(n, -1, *x.shape[x.ndim - sd:])
+    pads = [p for d in reversed(range(sd)) for p in (padding[d], padding[d])]
+    if x.dtype == torch.uint16:
+        xp = F.pad(flat.to(torch.int32), pads, value=fill).to(torch.uint16)
+    else:
+        xp = F.pad(flat, pads, value=fill)
+    out = []
+    for i in range(n):
+        window = (slice(None), *(slice(int(offset[i, d]), int(offset[i, d]) + size[d]) for d in range(sd)))
+        c = xp[i][window]
+        out.append(c.flip(-1) if flip is not None and flip[i] else c)
+    return torch.stack(out).view(n, *lead, *size)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16, torch.int16, torch.uint16])
+@pytest.mark.parametrize("shape", [(9, 3, 10, 12), (4, 1, 4, 4)])
+@pytest.mark.parametrize("padding", [(0, 0), (2, 1), (3, 3)])
+def test_random_crop_matches_pad_then_slice(dtype, shape, padding):
+    x = _batch(shape, dtype)
+    h, w = shape[-2], shape[-1]
+    size = (h - 1, max(1, w - 2))
+    crop = A.RandomCrop(size, padding=padding, fill=7)
+    out = crop(x, keys(shape[0], seed=1))
+    offset = crop.draw(x, keys(shape[0], seed=1))["offset"]
+    assert out.dtype == x.dtype and offset.shape == (shape[0], 2)
+    assert torch.equal(out, _reference_crop(x, offset, size, padding, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.int16])
+@pytest.mark.parametrize("padding", [0, (1, 0, 2)])
+def test_random_crop_3d_matches_pad_then_slice(dtype, padding):
+    x = _batch((5, 2, 7, 9, 11), dtype)
+    crop = A.RandomCrop((4, 6, 5), padding=padding, fill=3)
+    out = crop(x, keys(5, seed=2))
+    offset = crop.draw(x, keys(5, seed=2))["offset"]
+    assert out.shape == (5, 2, 4, 6, 5) and offset.shape == (5, 3)
+    pad = (padding,) * 3 if isinstance(padding, int) else padding
+    assert torch.equal(out, _reference_crop(x, offset, (4, 6, 5), pad, 3))
+
+
+def test_random_crop_cuts_masks_with_the_image_window_and_pads_them_with_zero():
+    img = _batch((6, 3, 10, 10))
+    mask = _batch((6, 10, 10), seed=1) % 5
+    labels = torch.arange(6)
+    batch = A.Batch({"image": img, "mask": mask, "y": labels}, {"image": "image", "mask": "mask"}, keys(6))
+    crop = A.RandomCrop(8, padding=3, fill=9)
+    out = crop(batch)
+    offset = crop.draw(batch)["offset"]
+    assert torch.equal(out.fields["image"], _reference_crop(img, offset, (8, 8), (3, 3), 9))
+    assert torch.equal(out.fields["mask"], _reference_crop(mask, offset, (8, 8), (3, 3), 0))
+    assert out.fields["y"] is labels
+
+
+def test_random_crop_offsets_are_uniform():
+    n = 10_000
+    offset = A.RandomCrop(12, padding=2).draw(torch.zeros(n, 1, 16, 16), keys(n, seed=2))["offset"]
+    for col in offset.T:
+        counts = torch.bincount(col, minlength=9)
+        assert counts.numel() == 9
+        assert all(within_binomial(int(c), n, 1 / 9) for c in counts)
+    assert abs(torch.corrcoef(offset.T.double())[0, 1].item()) < 5 / math.sqrt(n)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+@pytest.mark.parametrize("size,padding", [((32, 32), (4, 4)), ((6, 8), (0, 0)), ((10, 9), (2, 3))])
+@pytest.mark.usefixtures("both_paths")
+def test_fused_crop_flip_equals_unfused_sequence(dtype, size, padding):
+    """Compose fuses crop + flip: same keys, same draws, bit-equal output."""
+    x = _batch((33, 3, 32, 32) if size == (32, 32) else (17, 2, 10, 11), dtype, seed=2)
+    crop, flip = A.RandomCrop(size, padding=padding), A.RandomHorizontalFlip()
+    k = keys(x.shape[0], seed=5)
+    fused = A.Compose([crop, flip])(x, k)
+    unfused = flip(crop(x, k.child(0)), k.child(1))
+    assert torch.equal(fused, unfused)
+    offset = crop.draw(x, k.child(0))["offset"]
+    mask = flip.draw(x, k.child(1))["flip"][:, 0]
+    assert torch.equal(fused, _reference_crop(x, offset, size, padding, 0, mask))
+
+
+@pytest.mark.usefixtures("both_paths")
+def test_fused_crop_flip_3d_and_with_masks():
+    vol = _batch((6, 1, 6, 8, 9), torch.float32)
+    lab = (vol > 0.3).to(torch.uint8)
+    batch = A.Batch({"image": vol, "label": lab}, {"image": "image", "label": "mask"}, keys(6, seed=3))
+    aug = A.Compose([A.RandomCrop((4, 6, 7), padding=1), A.RandomHorizontalFlip()])
+    out = aug(batch)
+    seq = A.RandomHorizontalFlip()(A.RandomCrop((4, 6, 7), padding=1)(batch, batch.keys.child(0)), batch.keys.child(1))
+    for name in ("image", "label"):
+        assert torch.equal(out.fields[name], seq.fields[name])
+    assert torch.equal(out.fields["label"], (out.fields["image"] > 0.3).to(torch.uint8))
+
+
+def test_crop_flip_equals_torchvision_functional_per_sample():
+    """At the drawn parameters, each sample equals torchvision v2 pad -> crop -> hflip."""
+    x = _batch((16, 3, 32, 32), seed=6)
+    crop, flip = A.RandomCrop(32, padding=4, fill=7), A.RandomHorizontalFlip()
+    k = keys(16, seed=7)
+    out = A.Compose([crop, flip])(x, k)
+    offset = crop.draw(x, k.child(0))["offset"]
+    mask = flip.draw(x, k.child(1))["flip"][:, 0]
+    for i in range(16):
+        ref = TF.crop(TF.pad(x[i], [4], fill=7), int(offset[i, 0]), int(offset[i, 1]), 32, 32)
+        if mask[i]:
+            ref = TF.horizontal_flip(ref)
+        assert torch.equal(out[i], ref), f"sample {i}"
+
+
+def test_channels_last_input_keeps_format_and_values():
+    x = _batch((6, 3, 9, 9), seed=8).contiguous(memory_format=torch.channels_last)
+    aug = A.Compose([A.RandomCrop(8, padding=2), A.RandomHorizontalFlip()])
+    out = aug(x, keys(6, seed=9))
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out, aug(x.contiguous(), keys(6, seed=9)))
+
+
+def test_outputs_survive_later_calls():
+    """The padded source lives in a reused scratch buffer; returned batches must not alias it."""
+    crop = A.RandomCrop(8, padding=3)
+    x1, x2 = _batch((5, 3, 8, 8), seed=10), _batch((7, 3, 8, 8), seed=11)
+    out1 = A.Compose([crop, A.RandomHorizontalFlip()])(x1, keys(5, seed=1))
+    keep = out1.clone()
+    for seed in range(3):  # other shapes, dtypes and fills reuse and regrow the buffer
+        A.RandomCrop(8, padding=3, fill=255)(x2, keys(7, seed=seed))
+        A.RandomCrop(4, padding=1)(x2.float(), keys(7, seed=seed))
+        A.RandomHorizontalFlip()(x2, keys(7, seed=seed))
+        A.RandomCrop((2, 3, 3), padding=1)(x2.view(7, 1, 3, 8, 8), keys(7, seed=seed))
+    assert torch.equal(out1, keep)
+    assert torch.equal(A.Compose([crop, A.RandomHorizontalFlip()])(x1, keys(5, seed=1)), keep)
+
+
+def test_window_crop_on_prepadded_input():
+    x = _batch((4, 3, 6, 6), seed=12)
+    offset = torch.tensor([[0, 1], [1, 0], [2, 1], [0, 0]])
+    mask = torch.tensor([True, False, True, False])
+    out = window_crop(x, offset, (4, 5), 2, mask)
+    assert torch.equal(out, _reference_crop(x, offset, (4, 5), (0, 0), 0, mask))
+
+
+@pytest.mark.parametrize("padding", [(4, 4), (0, 3), (2, 0), (1, 5)])
+def test_wide_images_border_fill_matches_pad(padding):
+    """Wide rows take the border-only fill path; the padding must be exact, whatever was in the buffer."""
+    x = _batch((3, 2, 5, 70), seed=13)
+    for fill in (0, 9, 0):  # successive fills reuse the scratch buffer: no stale bytes may leak through
+        crop = A.RandomCrop((5, 68), padding=padding, fill=fill)
+        k = keys(3, seed=fill)
+        out = A.Compose([crop, A.RandomHorizontalFlip()])(x, k)
+        offset = crop.draw(x, k.child(0))["offset"]
+        mask = A.RandomHorizontalFlip().draw(x, k.child(1))["flip"][:, 0]
+        assert torch.equal(out, _reference_crop(x, offset, (5, 68), padding, fill, mask))
+
+
+def test_empty_batch_keeps_shape():
+    x = torch.empty((0, 3, 8, 8), dtype=torch.uint8)
+    aug = A.Compose([A.RandomCrop(6, padding=2), A.RandomHorizontalFlip()])
+    assert aug(x).shape == (0, 3, 6, 6)
+    assert A.RandomHorizontalFlip()(x).shape == (0, 3, 8, 8)
+
+
+def test_random_crop_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        A.RandomCrop(12)(torch.zeros(2, 1, 8, 8))
+    with pytest.raises(ValueError, match="3 values but the batch has 2 spatial dims"):
+        A.RandomCrop((4, 4, 4))(torch.zeros(2, 1, 8, 8))
+    with pytest.raises(ValueError, match="size"):
+        A.RandomCrop(0)
+
+
+# ----------------------------------------------------------------------------- RandomCropByLabel
+
+
+def _labels(n, spatial, fg_share=0.1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand((n, 1, *spatial), generator=g) < fg_share).to(torch.uint8)
+
+
+@pytest.mark.parametrize("spatial,size", [((9, 11), (4, 5)), ((6, 7, 8), (3, 4, 5))])
+@pytest.mark.usefixtures("both_paths")
+def test_crop_by_label_equals_slicing_at_the_reported_window(spatial, size):
+    n = 12
+    lab = _labels(n, spatial, seed=1)
+    img = torch.randn(n, 2, *spatial)
+    batch = A.Batch({"image": img, "label": lab}, {"image": "image", "label": "mask"}, keys(n, seed=4))
+    op = A.RandomCropByLabel(size, pos=1, neg=1, label="label")
+    p = op.draw(batch)
+    out = op(batch)
+    for name, x in (("image", img), ("label", lab)):
+        assert torch.equal(out.fields[name], _reference_crop(x, p["offset"], size, (0,) * len(spatial), 0))
+    for i in range(n):
+        c, o = p["center"][i], p["offset"][i]
+        assert bool(lab[i].flatten(1).any(0).view(spatial)[tuple(c)] > 0) == bool(p["foreground"][i])
+        for d in range(len(spatial)):
+            assert 0 <= o[d] <= spatial[d] - size[d]
+            assert o[d] <= c[d] < o[d] + size[d]  # the drawn voxel is inside its window
+            if size[d] // 2 <= c[d] <= spatial[d] - size[d] + size[d] // 2:
+                assert o[d] == c[d] - size[d] // 2  # centred unless the border is in the way
+
+
+@pytest.mark.parametrize("pos,neg", [(1, 1), (1, 3), (2, 1)])
+def test_crop_by_label_foreground_share_is_pos_over_pos_plus_neg(pos, neg):
+    """Over 10,000 crops the share centred on foreground is within 3 sigma of pos / (pos + neg)."""
+    n = 10_000
+    lab = _labels(n, (6, 6, 6), fg_share=0.05, seed=2)
+    has_both = lab.flatten(1).any(1) & ~lab.flatten(1).all(1)
+    assert bool(has_both.all())
+    batch = A.Batch({"label": lab}, {"label": "mask"}, keys(n, seed=pos * 10 + neg), spatial_dims=3)
+    p = A.RandomCropByLabel(3, pos=pos, neg=neg).draw(batch)
+    on_fg = torch.stack([lab[i, 0][tuple(p["center"][i])] for i in range(n)]) > 0
+    assert torch.equal(on_fg, p["foreground"])
+    share = pos / (pos + neg)
+    assert abs(on_fg.sum().item() - n * share) <= 3 * math.sqrt(n * share * (1 - share))
+
+
+def test_crop_by_label_centres_are_uniform_over_the_chosen_voxels():
+    n = 6000
+    lab = torch.zeros(n, 1, 4, 5, dtype=torch.int64)
+    fg = [(0, 0), (1, 3), (2, 2), (3, 4)]
+    for y, x in fg:
+        lab[:, 0, y, x] = 2
+    batch = A.Batch({"label": lab}, {"label": "mask"}, keys(n, seed=3), spatial_dims=2)
+    p = A.RandomCropByLabel(1, pos=1, neg=0).draw(batch)
+    assert bool(p["foreground"].all())
+    flat = p["center"][:, 0] * 5 + p["center"][:, 1]
+    counts = torch.bincount(flat, minlength=20)
+    assert set(counts.nonzero().view(-1).tolist()) == {y * 5 + x for y, x in fg}
+    assert all(within_binomial(int(counts[y * 5 + x]), n, 0.25) for y, x in fg)
+    bg = A.RandomCropByLabel(1, pos=0, neg=1).draw(batch)
+    assert not bg["foreground"].any()
+    counts = torch.bincount(bg["center"][:, 0] * 5 + bg["center"][:, 1], minlength=20)
+    assert all(counts[y * 5 + x] == 0 for y, x in fg)
+    assert all(within_binomial(int(c), n, 1 / 16) for i, c in enumerate(counts.tolist()) if i not in
+               {y * 5 + x for y, x in fg})
+
+
+@pytest.mark.usefixtures("both_paths")
+def test_crop_by_label_falls_back_when_a_sample_lacks_foreground_or_background():
+    lab = torch.zeros(4, 1, 5, 5, dtype=torch.uint8)
+    lab[1] = 1                      # all foreground
+    lab[2, 0, 4, 4] = 1             # one foreground voxel
+    lab[3, 0, 0, 0] = 1
+    batch = A.Batch({"label": lab}, {"label": "mask"}, keys(4), spatial_dims=2)
+    p = A.RandomCropByLabel(3, pos=1, neg=0).draw(batch)
+    assert p["foreground"].tolist() == [False, True, True, True]  # sample 0 has none: background
+    assert p["center"][2].tolist() == [4, 4] and p["offset"][2].tolist() == [2, 2]
+    p = A.RandomCropByLabel(3, pos=0, neg=1).draw(batch)
+    assert p["foreground"].tolist() == [False, True, False, False]  # sample 1 has no background
+
+
+def test_crop_by_label_refuses_bad_setups():
+    with pytest.raises(ValueError, match="pos and neg"):
+        A.RandomCropByLabel(4, pos=0, neg=0)
+    img = torch.zeros(2, 1, 8, 8)
+    with pytest.raises(ValueError, match="label='label'"):
+        A.RandomCropByLabel(4)(img)
+    batch = A.Batch({"image": img, "label": torch.zeros(2, 8, 8)}, {"image": "image", "label": "mask"})
+    with pytest.raises(ValueError, match="larger than the input"):
+        A.RandomCropByLabel(9)(batch)

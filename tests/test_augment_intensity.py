@@ -1,0 +1,126 @@
+"""Intensity ops: MONAI's formulas per sample at the reported parameters (int16/uint16
+volumes included), torchvision's Gaussian noise, rates and ranges of the draws."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision.transforms.v2.functional as TF
+from _augment_util import close, images, keys, ks_ok, within_binomial
+
+from lightning_fastdata import augment as A
+
+
+def _ct(n=3, shape=(1, 5, 6, 7), dtype=torch.int16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lo = -1200 if dtype == torch.int16 else 0
+    return torch.randint(lo, 2000, (n, *shape), generator=g, dtype=torch.int32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint16, torch.float32])
+@pytest.mark.parametrize("clip", [False, True])
+def test_scale_intensity_range_is_monai_windowing(dtype, clip):
+    x = _ct(dtype=dtype)
+    op = A.ScaleIntensityRange(a_min=-1000, a_max=1000, b_min=0.0, b_max=1.0, clip=clip)
+    out = op(x)
+    ref = (x.double() - -1000) / 2000 * (1.0 - 0.0) + 0.0
+    if clip:
+        ref = ref.clamp(0, 1)
+    assert out.dtype == torch.float32
+    close(out, ref.float())
+    assert A.ScaleIntensityRange(0, 1, dtype="float64")(x).dtype == torch.float64
+    with pytest.raises(ValueError, match="must differ"):
+        A.ScaleIntensityRange(5, 5)
+
+
+def test_random_scale_and_shift_follow_the_reported_parameters():
+    x = _ct(8).float()
+    scale = A.RandomScaleIntensity(0.2, p=0.5)
+    p = scale.draw(x, keys(8, seed=1))
+    out = scale.apply(x, **p)
+    for i in range(8):
+        close(out[i], x[i] * (1 + float(p["factor"][i])))
+    shift = A.RandomShiftIntensity((-5, 10), p=1.0)
+    p = shift.draw(x, keys(8, seed=2))
+    out = shift.apply(x, **p)
+    for i in range(8):
+        close(out[i], x[i] + float(p["offset"][i]))
+    ints = _ct(2)
+    assert A.RandomScaleIntensity(0.1)(ints).dtype == torch.float32  # int16 converted, values kept
+
+
+def test_random_intensity_draws_have_the_right_range_and_rate():
+    n = 10_000
+    z = torch.zeros(n, 1, 2, 2)
+    f = A.RandomScaleIntensity(0.3, p=0.4).draw(z, keys(n))["factor"]
+    on = f != 0
+    assert within_binomial(int(on.sum()), n, 0.4)
+    ref = torch.rand(n, generator=torch.Generator().manual_seed(0)) * 0.6 - 0.3
+    assert ks_ok(f[on].numpy(), ref.numpy())
+    g = A.RandomAdjustContrast(p=1.0).draw(z, keys(n))["gamma"]
+    assert ks_ok(g.numpy(), (torch.rand(n, generator=torch.Generator().manual_seed(1)) * 4 + 0.5).numpy())
+    assert A.RandomAdjustContrast(2.0).draw(z, keys(n))["gamma"].max() <= 2.0
+    untouched = A.RandomScaleIntensity(0.3, p=0.4)(z + 1)
+    assert torch.equal(untouched[~on], (z + 1)[~on])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16])
+def test_random_adjust_contrast_is_monai_gamma_per_sample(dtype):
+    x = _ct(6, dtype=dtype, seed=3)
+    x = x.float() / 1000 if dtype == torch.float32 else x
+    op = A.RandomAdjustContrast(gamma=(0.5, 2.5), p=0.7)
+    p = op.draw(x, keys(6, seed=4))
+    out = op.apply(x, **p)
+    assert out.dtype == torch.float32
+    for i in range(6):
+        img = x[i].double()
+        g = float(p["gamma"][i])
+        if g == 1.0:
+            assert torch.equal(out[i], x[i].float())
+            continue
+        lo, span = img.min(), img.max() - img.min()
+        ref = ((img - lo) / (span + 1e-7)) ** g * span + lo   # MONAI RandAdjustContrast
+        close(out[i], ref.float())
+    with pytest.raises(ValueError, match="> 0.5"):
+        A.RandomAdjustContrast(0.4)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_gaussian_noise_equals_torchvision_at_the_drawn_noise(dtype, monkeypatch):
+    x = images(2, dtype=dtype)
+    op = A.GaussianNoise(mean=0.05, sigma=0.2)
+    p = op.draw(x, keys(2, seed=9))
+    out = op.apply(x, **p)
+    for i in range(2):
+        noise = p["noise"]["image"][i]
+        monkeypatch.setattr(torch, "randn_like", lambda t, dtype=None, _z=noise: _z.to(dtype or t.dtype))
+        close(out[i], TF.gaussian_noise(x[i], mean=0.05, sigma=0.2))
+
+
+def test_gaussian_noise_on_unclipped_volumes_and_its_moments():
+    x = torch.full((50, 1, 6, 10, 10), 300.0)
+    out = A.GaussianNoise(mean=2.0, sigma=5.0, clip=False)(x) - 300.0
+    assert out.shape == x.shape
+    assert abs(out.mean().item() - 2.0) < 0.2 and abs(out.std().item() - 5.0) < 0.2
+    with pytest.raises(ValueError, match="ScaleIntensityRange or ToDtype"):
+        A.GaussianNoise()(_ct(2))
+
+
+def test_gaussian_noise_gives_each_image_field_its_own_noise():
+    x = torch.zeros(4, 1, 8, 8)
+    batch = A.Batch({"a": x, "b": x, "m": torch.zeros(4, 8, 8)}, {"a": "image", "b": "image", "m": "mask"})
+    out = A.GaussianNoise(clip=False)(batch)
+    assert not torch.equal(out.fields["a"], out.fields["b"])
+    assert out.fields["m"] is batch.fields["m"]
+
+
+@pytest.mark.parametrize("op", [A.ScaleIntensityRange(-1000, 1000), A.RandomScaleIntensity(0.5),
+                                A.RandomShiftIntensity(0.5), A.RandomAdjustContrast(), A.GaussianNoise(clip=False)],
+                         ids=lambda o: type(o).__name__)
+def test_intensity_ops_leave_masks_untouched(op):
+    img = _ct(3).float()
+    lab = (img > 0).to(torch.uint8)
+    batch = A.Batch({"image": img, "label": lab}, {"image": "image", "label": "mask"}, keys(3))
+    out = op(batch)
+    assert out.fields["label"] is lab
+    assert not torch.equal(out.fields["image"], img)

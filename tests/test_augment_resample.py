@@ -1,0 +1,249 @@
+"""Resized crops and affine maps: torchvision equality per sample for images and masks (2-D),
+torchvision's parameter distributions, and 3-D affine maps against per-slice torchvision and
+torch.rot90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as TF
+from _augment_util import close, images, keys, ks_ok, tv_params
+from torchvision import tv_tensors
+
+from lightning_fastdata import augment as A
+from lightning_fastdata import augment_base
+from lightning_fastdata.augment_resample import inverse_affine_3d
+
+
+def _box(n=4):
+    return {"top": torch.tensor([0, 3, 5, 1])[:n], "left": torch.tensor([0, 2, 7, 10])[:n],
+            "height": torch.tensor([20, 10, 4, 19])[:n], "width": torch.tensor([24, 5, 17, 14])[:n]}
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+@pytest.mark.parametrize("antialias", [True, False])
+def test_random_resized_crop_equals_torchvision(dtype, antialias):
+    x = images(4, dtype=dtype)
+    op = A.RandomResizedCrop((16, 12), antialias=antialias)
+    b = _box()
+    out = op.apply(x, **b)
+    for i in range(4):
+        ref = TF.resized_crop(x[i], int(b["top"][i]), int(b["left"][i]), int(b["height"][i]), int(b["width"][i]),
+                              [16, 12], antialias=antialias)
+        close(out[i], ref)
+
+
+@pytest.mark.parametrize("size", [(16, 12), (5, 7), (40, 48)])
+def test_random_resized_crop_resizes_masks_nearest_as_torchvision(size):
+    x = images(4)
+    mask = (torch.arange(20 * 24).view(1, 20, 24) % 7).expand(4, 20, 24).contiguous()
+    batch = A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"})
+    b = _box()
+    out = A.RandomResizedCrop(size).apply(batch, **b)
+    assert out.fields["mask"].dtype == mask.dtype
+    for i in range(4):
+        ref = TF.resized_crop(tv_tensors.Mask(mask[i]), int(b["top"][i]), int(b["left"][i]), int(b["height"][i]),
+                              int(b["width"][i]), list(size))
+        assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
+def test_random_affine_equals_torchvision(dtype, interpolation):
+    x = images(4, dtype=dtype)
+    fill = [10.0, 20.0, 30.0] if dtype == torch.uint8 else [0.1, 0.2, 0.3]
+    op = A.RandomAffine(30, translate=(0.2, 0.2), scale=(0.8, 1.2), shear=(-10, 10, -5, 5),
+                        interpolation=interpolation, fill=fill, center=(9.0, 8.0))
+    p = op.draw(x, keys(4, seed=3))
+    out = op.apply(x, **p)
+    for i in range(4):
+        ref = TF.affine(x[i], angle=float(p["angle"][i]), translate=[float(p["tx"][i]), float(p["ty"][i])],
+                        scale=float(p["scale"][i]), shear=[float(p["shear_x"][i]), float(p["shear_y"][i])],
+                        interpolation=T.InterpolationMode(interpolation), fill=fill, center=[9.0, 8.0])
+        close(out[i], ref)
+
+
+@pytest.mark.parametrize("op", [A.RandomAffine(30, translate=(0.2, 0.2), scale=(0.8, 1.2), shear=8,
+                                               interpolation="bilinear"),
+                                A.RandomRotation(40, interpolation="bilinear")], ids=lambda o: type(o).__name__)
+def test_affine_masks_are_nearest_with_zero_outside_as_torchvision(op):
+    x = images(4, dtype=torch.float32)
+    mask = (torch.arange(20 * 24).view(20, 24) % 5 + 1).expand(4, 1, 20, 24).to(torch.int64).contiguous()
+    batch = A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"}, keys(4, seed=5))
+    p = op.draw(batch)
+    out = op.apply(batch, **p)
+    assert out.fields["mask"].dtype == torch.int64
+    for i in range(4):
+        if "tx" in p:
+            ref = TF.affine(tv_tensors.Mask(mask[i]), angle=float(p["angle"][i]),
+                            translate=[float(p["tx"][i]), float(p["ty"][i])], scale=float(p["scale"][i]),
+                            shear=[float(p["shear_x"][i]), float(p["shear_y"][i])])
+        else:
+            ref = TF.rotate(tv_tensors.Mask(mask[i]), float(p["angle"][i]))
+        assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
+
+
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
+def test_random_rotation_equals_torchvision(interpolation):
+    x = images(4, dtype=torch.float32)
+    op = A.RandomRotation(40, interpolation=interpolation)
+    angle = torch.tensor([12.5, -33.0, 7.25, 20.0], dtype=torch.float64)
+    out = op.apply(x, angle=angle)
+    for i in range(4):
+        # The transform passes its fill (default 0) to F.rotate; the functional defaults to None.
+        ref = TF.rotate(x[i], float(angle[i]), interpolation=T.InterpolationMode(interpolation), fill=0)
+        close(out[i], ref)
+
+
+def test_random_resized_crop_parameters_match_torchvision():
+    n = 4000
+    for shape in ((3, 20, 24), (3, 10, 40)):  # the second often falls back to the central crop
+        p = A.RandomResizedCrop(8).draw(torch.zeros(n, *shape), keys(n, seed=3))
+        ref = tv_params(T.RandomResizedCrop(8), n, shape)
+        for key in ("top", "left", "height", "width"):
+            assert ks_ok(p[key].numpy(), [r[key] for r in ref]), (shape, key)
+
+
+def test_random_affine_parameters_match_torchvision():
+    n = 4000
+    kw = dict(degrees=(-20, 35), translate=(0.2, 0.1), scale=(0.7, 1.3), shear=(-10, 10, -4, 6))
+    p = A.RandomAffine(**kw).draw(torch.zeros(n, 3, 20, 24), keys(n, seed=4))
+    ref = tv_params(T.RandomAffine(**kw), n)
+    cols = {"angle": [r["angle"] for r in ref], "tx": [r["translate"][0] for r in ref],
+            "ty": [r["translate"][1] for r in ref], "scale": [r["scale"] for r in ref],
+            "shear_x": [r["shear"][0] for r in ref], "shear_y": [r["shear"][1] for r in ref]}
+    for key, theirs in cols.items():
+        assert ks_ok(p[key].numpy(), theirs), key
+    assert set(p["tx"].tolist()) <= set(range(-5, 6)), "translations are whole pixels as in torchvision"
+    angle = A.RandomRotation((-10, 50)).draw(torch.zeros(n, 3, 20, 24), keys(n, seed=5))["angle"]
+    assert ks_ok(angle.numpy(), [r["angle"] for r in tv_params(T.RandomRotation((-10, 50)), n)])
+
+
+@pytest.mark.parametrize("op", [A.RandomResizedCrop(12), A.RandomAffine(20, interpolation="bilinear")],
+                         ids=lambda o: type(o).__name__)
+def test_cpu_chunking_changes_nothing(op, monkeypatch):
+    x = images(7, shape=(3, 16, 16)).contiguous(memory_format=torch.channels_last)
+    whole = op(x, keys(7, seed=12))
+    monkeypatch.setattr(augment_base, "CPU_CHUNK_ELEMENTS", 2 * x[0].numel())  # chunks of 2 samples
+    chunked = op(x, keys(7, seed=12))
+    assert torch.equal(whole, chunked)
+    assert chunked.is_contiguous(memory_format=torch.channels_last)
+
+
+# ----------------------------------------------------------------------------- 3-D
+
+
+def _per_slice(vol, axis, angle, t_cols, t_rows, scale, interpolation):
+    """Reference: torchvision's 2-D F.affine on every slice across ``axis`` of a (C, D, H, W) volume."""
+    perm = {-3: (1, 0, 2, 3), -2: (2, 0, 1, 3), -1: (3, 0, 1, 2)}[axis]
+    slices = vol.permute(*perm)  # (S, C, rows, cols)
+    out = torch.stack([TF.affine(s, angle=angle, translate=[t_cols, t_rows], scale=scale, shear=[0.0, 0.0],
+                                 interpolation=T.InterpolationMode(interpolation), fill=0) for s in slices])
+    inv = [perm.index(i) for i in range(4)]
+    return out.permute(*inv)
+
+
+@pytest.mark.parametrize("axis", [-3, -2, -1])
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
+def test_affine_3d_about_one_axis_equals_torchvision_on_every_slice(axis, interpolation):
+    vol = torch.rand(3, 2, 7, 9, 8, generator=torch.Generator().manual_seed(1))
+    op = A.RandomAffine(45, interpolation=interpolation, axes=(axis,))
+    angles = torch.tensor([[17.0], [-33.5], [90.0]], dtype=torch.float64)
+    # translate (tx, ty, tz) in (w, h, d) voxels: only the two axes of the rotated plane move.
+    shifts = {-3: [(2, -1, 0), (0, 3, 0), (-1, 0, 0)], -2: [(2, 0, 1), (0, 0, -2), (1, 0, 0)],
+              -1: [(0, 2, 1), (0, -1, 0), (0, 1, 2)]}[axis]
+    translate = torch.tensor(shifts, dtype=torch.float64)
+    out = op.apply(vol, angles=angles, translate=translate, scale=torch.ones(3, dtype=torch.float64))
+    for i in range(3):
+        tx, ty, tz = shifts[i]
+        cols, rows = {-3: (tx, ty), -2: (tx, tz), -1: (ty, tz)}[axis]
+        ref = _per_slice(vol[i], axis, float(angles[i, 0]), cols, rows, 1.0, interpolation)
+        close(out[i], ref)
+
+
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
+def test_affine_3d_scale_equals_torch_affine_grid(interpolation):
+    """Isotropic scale of a cube: torch's own affine_grid (normalised coordinates) is the reference."""
+    vol = torch.rand(2, 2, 6, 6, 6, generator=torch.Generator().manual_seed(3))
+    scale = torch.tensor([0.8, 1.3], dtype=torch.float64)
+    out = A.RandomAffine(0, scale=(0.5, 2), interpolation=interpolation).apply(
+        vol, angles=torch.zeros(2, 1, dtype=torch.float64), translate=torch.zeros(2, 3, dtype=torch.float64),
+        scale=scale)
+    theta = torch.zeros(2, 3, 4)
+    for i in range(3):
+        theta[:, i, i] = (1 / scale).float()
+    grid = torch.nn.functional.affine_grid(theta, list(vol.shape), align_corners=False)
+    ref = torch.nn.functional.grid_sample(vol, grid, mode=interpolation, align_corners=False)
+    if interpolation == "bilinear":
+        # torchvision's fill convention (2-D F.affine), kept in 3-D: blend toward the fill (0)
+        # by the share of the sample's footprint that falls inside the input.
+        ref = ref * torch.nn.functional.grid_sample(torch.ones_like(vol[:, :1]), grid, align_corners=False)
+    close(out, ref)
+
+
+def test_affine_3d_quarter_turns_nearest_equal_torch_rot90():
+    vol = torch.randint(0, 256, (2, 1, 5, 5, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    lab = (vol > 128).to(torch.int64)
+    batch = A.Batch({"image": vol, "label": lab}, {"image": "image", "label": "mask"})
+    zero, one = torch.zeros(2, 3, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    # A quarter turn about one axis is a rot90 in the plane of the two others.
+    for axis, plane in ((-3, (-2, -1)), (-2, (-3, -1)), (-1, (-3, -2))):
+        op = A.RandomAffine(90, axes=(axis,))
+        out = op.apply(batch, angles=torch.full((2, 1), 90.0, dtype=torch.float64), translate=zero, scale=one)
+        k = 1 if torch.equal(out.fields["image"][0], torch.rot90(vol[0], 1, plane)) else 3
+        for i in range(2):
+            assert torch.equal(out.fields["image"][i], torch.rot90(vol[i], k, plane)), axis
+            assert torch.equal(out.fields["label"][i], torch.rot90(lab[i], k, plane)), axis
+    # Two axes: the last listed turns first.
+    op = A.RandomAffine(90, axes=(-3, -1))
+    out = op.apply(vol, angles=torch.tensor([[90.0, 180.0], [0.0, 90.0]], dtype=torch.float64),
+                   translate=zero, scale=one)
+    first = A.RandomAffine(90, axes=(-1,)).apply(vol, angles=torch.tensor([[180.0], [90.0]], dtype=torch.float64),
+                                                 translate=zero, scale=one)
+    both = A.RandomAffine(90, axes=(-3,)).apply(first, angles=torch.tensor([[90.0], [0.0]], dtype=torch.float64),
+                                                translate=zero, scale=one)
+    assert torch.equal(out, both)
+
+
+def test_affine_3d_matrix_composes_the_single_axis_maps():
+    angles = torch.tensor([[10.0, -25.0, 40.0]], dtype=torch.float64)
+    zero, one = torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    whole = inverse_affine_3d(angles, (-3, -2, -1), zero, one)[0, :, :3]
+    parts = [inverse_affine_3d(angles[:, i:i + 1], (a,), zero, one)[0, :, :3] for i, a in enumerate((-3, -2, -1))]
+    # forward R = R_d R_h R_w (the last listed first), so the inverse is R_w^-1 R_h^-1 R_d^-1
+    assert torch.allclose(whole, parts[2] @ parts[1] @ parts[0])
+    assert torch.allclose(whole @ whole.T, torch.eye(3, dtype=torch.float64))
+
+
+def test_affine_3d_parameters():
+    n = 4000
+    op = A.RandomAffine((-10, 30), translate=(0.1, 0.2, 0.25), scale=(0.9, 1.1), axes=(-3, -1))
+    p = op.draw(torch.zeros(n, 1, 8, 10, 20), keys(n))
+    assert p["angles"].shape == (n, 2) and p["translate"].shape == (n, 3) and p["scale"].shape == (n,)
+    assert -10 <= p["angles"].min() and p["angles"].max() <= 30
+    assert set(p["translate"][:, 0].tolist()) == set(range(-2, 3))   # 0.1 * W=20
+    assert set(p["translate"][:, 1].tolist()) == set(range(-2, 3))   # 0.2 * H=10
+    assert set(p["translate"][:, 2].tolist()) == set(range(-2, 3))   # 0.25 * D=8
+    assert abs(torch.corrcoef(p["angles"].T)[0, 1].item()) < 0.08
+    with pytest.raises(ValueError, match="2-D only"):
+        A.RandomAffine(10, shear=5)(torch.zeros(2, 1, 4, 4, 4))
+    with pytest.raises(ValueError, match="3 fractions"):
+        A.RandomAffine(10, translate=(0.1, 0.1))(torch.zeros(2, 1, 4, 4, 4))
+    with pytest.raises(ValueError, match="2-D images"):
+        A.RandomResizedCrop(4)(torch.zeros(2, 1, 4, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint16])
+def test_resampling_keeps_the_range_of_wide_integer_images(dtype):
+    """int16 CT keeps its negative values; uint16 its values above 255."""
+    base = torch.arange(-1000, 1000, 2000 / 576, dtype=torch.float64)[:576].view(1, 1, 24, 24).round()
+    x = (base if dtype == torch.int16 else base + 1000 * 30).to(torch.int32).to(dtype).expand(2, 1, 24, 24)
+    zero = torch.zeros(2, dtype=torch.float64)
+    out = A.RandomAffine(0, interpolation="bilinear").apply(
+        x, angle=zero, tx=zero, ty=zero, scale=torch.ones(2, dtype=torch.float64), shear_x=zero, shear_y=zero)
+    assert out.dtype == dtype and torch.equal(out.to(torch.int32), x.to(torch.int32))
+    full = {"top": torch.zeros(2, dtype=torch.long), "left": torch.zeros(2, dtype=torch.long),
+            "height": torch.full((2,), 24), "width": torch.full((2,), 24)}
+    same = A.RandomResizedCrop(24).apply(x, **full)
+    assert torch.equal(same.to(torch.int32), x.to(torch.int32))
