@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shutil
@@ -281,10 +282,16 @@ def bench_fastdata(images: np.ndarray, labels: np.ndarray, work: Path, args: arg
     dm = BenchVolumes(images, labels, batch_size=args.batch_size, strategy="device", device=str(device),
                       cache_dir=str(work / "fastdata"), field_kinds={"image": "image", "label": "mask"},
                       train_augment=fastdata_augment(args.crop), drop_last=True, progress=False)
-    t0 = time.perf_counter()
-    dm.prepare_data()
-    dm.setup("fit")
-    cache_s = time.perf_counter() - t0
+    quiet = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the plan's log would bury the table
+    try:
+        t0 = time.perf_counter()
+        dm.prepare_data()
+        dm.setup("fit")
+        cache_s = time.perf_counter() - t0
+    finally:
+        quiet.setLevel(level)
 
     def finish(batch: Any) -> dict[str, Any]:
         # Batches come augmented from the loader's background thread (augment_ahead);
