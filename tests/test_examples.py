@@ -149,7 +149,7 @@ def test_volumes_static_transform_reorients_resamples_and_clips(tmp_path):
 
 
 @needs_nibabel
-def test_volumes_static_transform_rejects_a_mask_off_the_image_grid(tmp_path):
+def test_volumes_static_transform_rejects_a_mask_off_the_grid_and_several_channels(tmp_path):
     root = MV.make_volumes(tmp_path / "set", cases=2, size=16)
     image = root / "imagesTr" / "case_000.nii.gz"
     lab = nib.load(root / "labelsTr" / "case_000.nii.gz")
@@ -157,6 +157,10 @@ def test_volumes_static_transform_rejects_a_mask_off_the_image_grid(tmp_path):
     nib.save(nib.Nifti1Image(np.asarray(lab.dataobj), lab.affine * np.diag([2.0, 1.0, 1.0, 1.0])), moved)
     with pytest.raises(ValueError, match="moved.nii.gz"):
         load_case(image, moved, size=(16,) * 3)
+    two = tmp_path / "two_channels.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((*lab.shape, 2), np.int16), lab.affine), two)
+    with pytest.raises(ValueError, match="two_channels.nii.gz has shape"):
+        load_case(two, root / "labelsTr" / "case_000.nii.gz", size=(16,) * 3)
 
 
 @needs_nibabel

@@ -42,12 +42,17 @@ def load_case(image_path: str | os.PathLike, label_path: str | os.PathLike,
         ``{"image": int16 (1, D, H, W), "label": uint8 (1, D, H, W)}``.
 
     Raises:
-        ValueError: when the image and the mask do not share a grid, naming both files.
+        ValueError: when a file is not a one-channel 3-D volume, or the image and the mask do
+            not share a grid; the message names the file.
     """
     import nibabel as nib
 
     img = nib.as_closest_canonical(nib.load(str(image_path)))
     lab = nib.as_closest_canonical(nib.load(str(label_path)))
+    for path, vol in ((image_path, img), (label_path, lab)):
+        if len(vol.shape) < 3 or any(s != 1 for s in vol.shape[3:]):
+            raise ValueError(f"{path} has shape {vol.shape}; this loader reads one-channel 3-D volumes "
+                             "(split multi-channel images, e.g. MRI sequences, into one file per channel)")
     if img.shape[:3] != lab.shape[:3] or not _same_affine(img.affine, lab.affine):
         raise ValueError(f"{label_path} (shape {lab.shape}) is not on the grid of {image_path} "
                          f"(shape {img.shape}); a mask must share its image's shape and affine")
