@@ -201,7 +201,7 @@ class SampleKeys:
         self.index = index.long()
         # The scrambled indices, computed once and shared by every child (same rows).
         self._scrambled: list[torch.Tensor | None] = [None]
-        self._base = _fold_cached((seed, stream, epoch, len(self.path), *self.path))
+        self._salt = _fold_cached((seed, stream, epoch, len(self.path), *self.path))
 
     @classmethod
     def for_batch(cls, n: int, device: torch.device | str | None = None, seed: int = 0,
@@ -226,7 +226,7 @@ class SampleKeys:
         out = SampleKeys.__new__(SampleKeys)
         out.seed, out.epoch, out.stream, out.path = self.seed, self.epoch, self.stream, path
         out.index, out._scrambled = index, scrambled
-        out._base = _fold_cached((self.seed, self.stream, self.epoch, len(path), *path))
+        out._salt = _fold_cached((self.seed, self.stream, self.epoch, len(path), *path))
         return out
 
     def child(self, position: int) -> SampleKeys:
@@ -247,7 +247,7 @@ class SampleKeys:
         return scrambled
 
     def _slot_key(self, slot: int) -> int:
-        return mix64((self._base ^ (int(slot) & _MASK64)) + GOLDEN)
+        return mix64((self._salt ^ (int(slot) & _MASK64)) + GOLDEN)
 
     def bits(self, slot: int, k: int | None = None) -> torch.Tensor:
         """Raw 64-bit draws as int64: (N,) or (N, k) (element counter 0 .. k-1)."""
