@@ -189,7 +189,7 @@ class _Keeper(TinyModel):
         self.kept = []
 
     def training_step(self, batch, batch_idx):
-        self.kept.append(batch)
+        self.kept.append((batch, batch[1].tolist()))  # the batch itself, and which samples it held then
         return super().training_step(batch, batch_idx)
 
 
@@ -200,8 +200,9 @@ def test_batches_the_user_keeps_never_change(tmp_path, strategy):
     trainer(tmp_path, max_epochs=1, limit_train_batches=10).fit(model, dm)
     ref = dm.source("train")
     assert len(model.kept) == 10
-    for x, y in model.kept:  # checked after the epoch, against the source
-        for img, i in zip(x, y.tolist(), strict=True):
+    for (x, y), held in model.kept:  # checked after the epoch, against the source
+        assert y.tolist() == held, f"{strategy}: a kept batch's labels changed after it was handed out"
+        for img, i in zip(x, held, strict=True):
             assert torch.equal(img, ref[i][0]), f"{strategy}: sample {i} changed after it was handed out"
 
 
