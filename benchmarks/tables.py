@@ -244,6 +244,27 @@ def peers(results: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- volumes vs MONAI
+
+
+@table("volumes", "volumes.json")
+def volumes(results: Path) -> str:
+    """3-D volumes: MONAI's two recipes and the device strategy, each against MONAI's best."""
+    d = _load(results, "volumes.json")
+    rows = [[r["loader"], r["settings"], f"{r['samples_per_s']:,.1f}", _ratio(r["vs_monai_best"])]
+            for r in d["summary"]]
+    lines = _rows(["loader", "settings", "samples/s", "vs MONAI's best"], ["---", "---", "---:", "---:"], rows)
+    m = d["machine"]
+    same = "the same output on every side" if d["same_output_shapes"] and d["same_output_dtypes"] else (
+        "**the sides' outputs differ** (see the JSON)")
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    lines += ["", f"{d['volumes']} volumes 1x{d['side']}^3 int16 + uint8 masks, {d['crop']}^3 crops, batch "
+              f"{d['batch_size']}: {d['work']}; {same}. Median of {d['repeats']} repeat(s) of {d['batches']} "
+              f"batches on {m['device']}{gpu} ({m['affinity']} CPUs, {m['torch_threads']} torch thread(s), torch "
+              f"{m['torch']}, MONAI {m.get('monai', '?')}).", "", _source("volumes.json", quick=bool(d.get("quick")))]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- callback overhead
 
 

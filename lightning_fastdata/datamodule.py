@@ -621,6 +621,9 @@ class OptimizedDataModule(L.LightningDataModule):
         Every random parameter of a sample is a pure function of (seed, epoch, the sample's
         global index, the op's position): the same whatever the batch, rank or strategy.
 
+        A batch its loader augmented ahead (``batch.prepared``, see ``augment_ahead``) is
+        returned as it is.
+
         Args:
             batch: A batch from one of this module's loaders (on the training device).
             augment: The transform (default: ``train_augment`` for "train", else ``eval_augment``).
@@ -631,6 +634,8 @@ class OptimizedDataModule(L.LightningDataModule):
                             f"{type(batch).__name__}")
         if augment is None:
             augment = self.train_augment if split == "train" else self.eval_augment
+        if batch.prepared:
+            return batch.structure()  # a prepared batch was augmented by its loader already
         if augment is None:
             return unflatten(batch.spec, self.unragged(batch))
         return unflatten(batch.spec, self._augmented_leaves(batch, augment, split))

@@ -217,3 +217,28 @@ def test_jpeg_benchmark_quick_writes_json(tmp_path):
     (tmp_path / "res" / "jpeg.json").write_text(out.read_text())
     text = tables.jpeg(tmp_path / "res")
     assert "`device` strategy, `max_side=256`" in text and "quick smoke-test run" in text
+
+
+@pytest.mark.slow
+def test_volumes_quick_writes_json(tmp_path):
+    pytest.importorskip("monai", reason="benchmarks/volumes.py compares against MONAI (pip install .[bench])")
+    out = tmp_path / "volumes.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "volumes.py"), "--quick", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["quick"] is True and res["crop"] == 48 and res["side"] == 64
+    loaders = [r["loader"] for r in res["summary"]]
+    assert loaders == ["monai DataLoader", "monai ThreadDataLoader", "lightning_fastdata device"]
+    assert {r["num_workers"] for r in res["results"] if r["loader"] == "monai DataLoader"} == {0, 1}
+    assert all(r["samples_per_s"] > 0 for r in res["results"])
+    # The same work on every side: the same batch shapes and dtypes come out.
+    assert res["same_output_shapes"] and res["same_output_dtypes"], res["outputs"]
+    for output in res["outputs"].values():
+        assert output["image"][:2] == [[2, 1, 48, 48, 48], "float32"]
+        assert output["label"][0] == [2, 1, 48, 48, 48]
+    assert res["device_vs_monai_best"] == pytest.approx(
+        res["summary"][2]["samples_per_s"] / max(r["samples_per_s"] for r in res["summary"][:2]))
+    assert "| lightning_fastdata device |" in proc.stdout
