@@ -23,7 +23,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import quiet_shared_hook_warnings
 from lightning_fastdata.augment import Batch, BatchTransform
-from lightning_fastdata.encode import check_settings, quiet_codec_warnings
+from lightning_fastdata.decode import decode_jpegs
+from lightning_fastdata.encode import check_settings
 from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import (
     BlockOrder,
@@ -45,23 +46,6 @@ from lightning_fastdata.store import (
     build_store,
     unflatten,
 )
-
-try:
-    from lightning_fastdata.decode import decode_jpegs
-except ImportError:  # decode.py (H7, branch decode) not merged yet: delete this fallback at merge
-
-    def decode_jpegs(data: list[torch.Tensor], device: torch.device, threads: int | None = None) -> list[torch.Tensor]:
-        """Stand-in for ``lightning_fastdata.decode.decode_jpegs``: one ``decode_jpeg`` per image on the CPU."""
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        out = []
-        with quiet_codec_warnings():
-            for k, d in enumerate(data):
-                try:
-                    out.append(decode_jpeg(d.cpu(), mode=ImageReadMode.UNCHANGED).to(device))
-                except RuntimeError as e:
-                    raise RuntimeError(f"sample {k} of the batch is not a decodable JPEG: {e}") from e
-        return out
 
 Split = Literal["train", "val", "test", "predict"]
 SPLITS = ("train", "val", "test", "predict")
@@ -644,15 +628,16 @@ class OptimizedDataModule(L.LightningDataModule):
     def unragged(batch: FastBatch) -> list[Any]:
         """The batch's leaves with each ragged field as a list of per-sample tensors.
 
-        A JPEG field is decoded where its bytes are (``decode.decode_jpegs``: batched on
-        CUDA), into uint8 ``(C, H, W)`` tensors; any other ragged field becomes views of
-        its values (no copy).
+        A JPEG field's bytes stay in host memory (the decoders read them there) and are
+        decoded onto the batch's device (``decode.decode_jpegs``: one batched nvJPEG call on
+        CUDA, threads on the CPU) into uint8 ``(C, H, W)`` tensors; any other ragged field
+        becomes views of its values (no copy).
         """
         out: list[Any] = []
         for leaf in batch.leaves:
             if isinstance(leaf, RaggedBatch):
                 tensors = leaf.tensors()
-                out.append(decode_jpegs(tensors, leaf.values.device) if leaf.encoding == "jpeg" else tensors)
+                out.append(decode_jpegs(tensors, batch.indices.device) if leaf.encoding == "jpeg" else tensors)
             else:
                 out.append(leaf)
         return out

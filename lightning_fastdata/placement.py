@@ -193,8 +193,10 @@ def place_fields(arrays: list[np.ndarray | RaggedArray], device: torch.device | 
         for arr in arrays:
             if isinstance(arr, RaggedArray):
                 host_offsets = _host_copy(arr.offsets)
-                values = _place_array(arr.values, device, chunk_bytes)
-                offsets = host_offsets if device.type == "cpu" else _place_array(arr.offsets, device, chunk_bytes)
+                # Encoded bytes stay in host memory: the decoders (nvJPEG included) read them there.
+                where = torch.device("cpu") if arr.encoding else device
+                values = _place_array(arr.values, where, chunk_bytes)
+                offsets = host_offsets if where.type == "cpu" else _place_array(arr.offsets, device, chunk_bytes)
                 decoded = _host_copy(arr.decoded) if arr.decoded is not None else None
                 out.append(RaggedField(values, offsets, host_offsets, _host_copy(arr.shapes), arr.encoding, decoded))
             else:
@@ -274,17 +276,20 @@ class DeviceSource(Source):
 
     kind = "device"
 
-    def __init__(self, fields: list[torch.Tensor | RaggedField]) -> None:
+    def __init__(self, fields: list[torch.Tensor | RaggedField], device: torch.device | str | None = None) -> None:
         _check_rows(fields)
         self.fields = fields
-        first = fields[0]
-        self.device = first.values.device if isinstance(first, RaggedField) else first.device
-        self.n = _rows(first)
+        if device is None:  # the device of the fields that are not encoded bytes (those stay on the host)
+            placed = [f.values if isinstance(f, RaggedField) else f for f in fields
+                      if not (isinstance(f, RaggedField) and f.encoding)]
+            device = placed[0].device if placed else torch.device("cpu")
+        self.device = torch.device(device)
+        self.n = _rows(fields[0])
 
     @classmethod
     def from_arrays(cls, arrays: list[np.ndarray | RaggedArray], device: torch.device | str) -> DeviceSource:
         """Copy host arrays onto ``device`` (see :func:`place_fields`)."""
-        return cls(place_fields(arrays, device))
+        return cls(place_fields(arrays, device), device)
 
     def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None) -> list[Leaf]:
         idx = on_device if on_device is not None else indices.to(self.device, non_blocking=True)
@@ -470,6 +475,8 @@ class ChunkedSource(Source):
         return [t.to(self.device) for t in self.host.gather(indices)]
 
     def _ragged_to_device(self, batch: RaggedBatch) -> RaggedBatch:
+        if batch.encoding:
+            return batch  # encoded bytes are decoded from host memory
         if self._cuda:
             return batch.pin_memory().to(self.device, non_blocking=True)
         return batch.to(self.device)

@@ -160,7 +160,13 @@ class RaggedBatch:
         return int(self.values.nbytes + self.offsets.nbytes + self.shapes.nbytes)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RaggedBatch:
-        """The batch with its values on ``device``; offsets and shapes stay on the CPU."""
+        """The batch with its values on ``device``; offsets and shapes stay on the CPU.
+
+        Encoded bytes (``encoding="jpeg"``) stay where they are: the decoders read them in
+        host memory and write the decoded images to the device.
+        """
+        if self.encoding:
+            return self
         return RaggedBatch(self.values.to(device, non_blocking=non_blocking), self.offsets, self.shapes,
                            self.encoding, self.decoded_shapes)
 

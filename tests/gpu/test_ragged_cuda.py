@@ -60,3 +60,31 @@ def test_chunked_on_cuda_serves_ragged_fields_like_the_device_source():
             assert g.leaves[k].values.device == device
             assert torch.equal(g.leaves[k].values, w.leaves[k].values)
             assert torch.equal(g.leaves[k].offsets, w.leaves[k].offsets)
+
+
+def test_jpeg_bytes_stay_on_the_host_and_decode_onto_the_gpu(tmp_path):
+    """nvJPEG reads host memory: the device strategy keeps the bytes there and decodes onto the GPU."""
+    from lightning_fastdata import OptimizedDataModule
+    from lightning_fastdata.decode import decode_jpegs
+    from lightning_fastdata.store import build_store
+
+    class Photos(torch.utils.data.Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return torch.randint(0, 256, (3, 40 + i, 60 - i // 2), dtype=torch.uint8, generator=g), i
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    store = build_store(Photos(), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False)
+    loader = device_loader(store, ShardedOrder(40, 8, seed=3), device)
+    for batch in loader:
+        moved = batch.to(device)
+        jpeg = moved.leaves[0]
+        assert isinstance(jpeg, RaggedBatch) and jpeg.values.device.type == "cpu"
+        images = OptimizedDataModule.unragged(moved)[0]
+        assert all(img.device == device for img in images)
+        ref = decode_jpegs(jpeg.tensors(), torch.device("cpu"))
+        # nvJPEG's IDCT may round differently from libjpeg-turbo's by a few levels.
+        assert all((a.cpu().int() - b.int()).abs().max() <= 8 for a, b in zip(images, ref, strict=True))
