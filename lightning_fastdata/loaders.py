@@ -451,15 +451,26 @@ def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -
         thread.join()
 
 
+class _Rows(list):
+    """A batch's sample indices, with the epoch and batch index they belong to (what keys its augmentation)."""
+
+    def __init__(self, rows: list[int], epoch: int, index: int) -> None:
+        super().__init__(rows)
+        self.epoch, self.index = epoch, index
+
+
 class _HostBatches(Dataset):
     """Map-style view of host fields whose ``__getitems__`` gathers a whole batch (no per-sample collate).
 
     A ragged field's rows come as a :class:`~lightning_fastdata.ragged.RaggedBatch`, which
-    the identity collate passes through (and DataLoader's pinning pins its values).
+    the identity collate passes through (and DataLoader's pinning pins its values). With a
+    ``prepare``, the worker also hands the batch to it (e.g. decodes and augments it, keyed
+    by the samples' indices) and sends back the prepared :class:`FastBatch`.
     """
 
-    def __init__(self, source: HostSource) -> None:
-        self.arrays = source.arrays
+    def __init__(self, source: HostSource, spec: dict | None = None, names: list[str] | None = None,
+                 prepare: Callable[[FastBatch], FastBatch] | None = None) -> None:
+        self.arrays, self.spec, self.names, self.prepare = source.arrays, spec, names, prepare
 
     def __len__(self) -> int:
         return len(self.arrays[0])
@@ -467,10 +478,14 @@ class _HostBatches(Dataset):
     def __getitem__(self, i: int) -> Any:
         return self.__getitems__([i])
 
-    def __getitems__(self, indices: list[int]) -> list[torch.Tensor | RaggedBatch]:
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor | RaggedBatch] | FastBatch:
         idx = np.asarray(indices, dtype=np.int64)
-        return [gather_host(a, idx) if isinstance(a, RaggedArray) else as_tensor(np.ascontiguousarray(a[idx]))
-                for a in self.arrays]
+        leaves = [gather_host(a, idx) if isinstance(a, RaggedArray) else as_tensor(np.ascontiguousarray(a[idx]))
+                  for a in self.arrays]
+        if self.prepare is None or not isinstance(indices, _Rows):
+            return leaves
+        batch = FastBatch(leaves, self.spec, self.names, torch.from_numpy(idx), indices.epoch, indices.index)
+        return self.prepare(batch)
 
 
 class _Transformed(Dataset):
@@ -505,8 +520,9 @@ class _BatchIndexSampler:
         return len(self.loader.order)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for sel in self.loader.order.batches(epoch=self.loader.iter_epoch, start=self.loader.iter_start):
-            yield sel.tolist()
+        epoch, start = self.loader.iter_epoch, self.loader.iter_start
+        for b, sel in enumerate(self.loader.order.batches(epoch=epoch, start=start), start):
+            yield _Rows(sel.tolist(), epoch, b)
 
 
 class WorkerLoader(_Loader):
@@ -522,12 +538,15 @@ class WorkerLoader(_Loader):
         spec: The sample structure of ``source``'s fields (required with ``source``).
         names: Field names of ``source``'s fields (required with ``source``).
         dataset: A per-sample dataset, used when ``source`` is ``None``.
+        prepare: With ``source``: applied to each batch inside the worker that gathers it
+            (must be picklable for spawned workers); the batch then arrives prepared.
         num_workers, pin_memory, prefetch_factor, persistent_workers, worker_init_fn,
         multiprocessing_context: As for ``DataLoader``.
     """
 
     def __init__(self, order: ShardedOrder, source: HostSource | None = None, spec: dict | None = None,
-                 names: list[str] | None = None, dataset: Any = None, num_workers: int = 0,
+                 names: list[str] | None = None, dataset: Any = None,
+                 prepare: Callable[[FastBatch], FastBatch] | None = None, num_workers: int = 0,
                  pin_memory: bool = False, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: str | None = None) -> None:
@@ -538,7 +557,9 @@ class WorkerLoader(_Loader):
             raise ValueError("WorkerLoader over a source needs its spec= and names=")
         self.spec, self.names = spec, names
         self.iter_epoch, self.iter_start = 0, 0
-        ds = _HostBatches(source) if source is not None else dataset
+        if prepare is not None and source is None:
+            raise ValueError("WorkerLoader's prepare= needs source= (a raw dataset's samples are collated first)")
+        ds = _HostBatches(source, spec, names, prepare) if source is not None else dataset
         self.dataloader = DataLoader(
             ds,
             batch_sampler=_BatchIndexSampler(self),
@@ -567,6 +588,10 @@ class WorkerLoader(_Loader):
         idx = self.order.indices(epoch)
         bs = self.order.batch_size
         for b, batch in enumerate(self.dataloader, start):
+            if isinstance(batch, FastBatch):  # prepared in the worker
+                self._yielded = b + 1
+                yield batch
+                continue
             if self.spec is not None:
                 spec, names, leaves = self.spec, self.names, batch
             else:
