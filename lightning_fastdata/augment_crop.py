@@ -184,8 +184,9 @@ class RandomCropByLabel(BatchTransform):
 
     Per sample, the centre is a voxel drawn uniformly among the label's foreground voxels
     (any channel > 0) or among its background voxels, on the device: the k-th voxel of the
-    chosen set, found through a cumulative sum, with k drawn per sample; no host sync and
-    no loop over samples. A sample without foreground (or without background) takes its
+    chosen set, with k drawn per sample, found in two levels (voxels counted per block of
+    1024, a running count over the blocks, then one block scanned); no host sync and no
+    loop over samples. A sample without foreground (or without background) takes its
     centre from the other set. The window is then shifted to lie inside the input (MONAI's
     centre correction), so the drawn voxel stays inside the window but is not always its
     centre. The same window is cut from every image and mask field; ``other`` passes through.
@@ -223,21 +224,8 @@ class RandomCropByLabel(BatchTransform):
         size = self._size(batch)
         spatial = batch.spatial_size
         lab = batch.fields[self.label]
-        n, voxels = lab.shape[0], math.prod(spatial)
-        if lab.dtype in (torch.uint16, torch.uint32, torch.uint64):
-            lab = lab.to(torch.int64)  # comparisons are not implemented for these
-        fg = (lab > 0).reshape(n, -1, voxels).any(1)  # (N, V)
-        count_fg = fg.sum(1)
-        count_bg = voxels - count_fg
         u = batch.keys.uniform(0, 2, dtype=torch.float64)
-        want_fg = u[:, 0] < self.pos / (self.pos + self.neg)
-        use_fg = torch.where(count_fg == 0, False, torch.where(count_bg == 0, True, want_fg))
-        chosen = torch.where(use_fg.view(n, 1), fg, ~fg)
-        count = torch.where(use_fg, count_fg, count_bg)
-        k = torch.minimum(torch.floor(u[:, 1] * count.to(torch.float64)).long(), count - 1)
-        # The k-th chosen voxel (0-based): the first position whose running count exceeds k.
-        running = torch.cumsum(chosen, dim=1, dtype=torch.int32 if voxels < 2**31 else torch.int64)
-        flat = torch.searchsorted(running, (k + 1).to(running.dtype).view(n, 1)).view(n)
+        flat, use_fg = draw_voxels(_foreground(lab, math.prod(spatial)), u, self.pos / (self.pos + self.neg))
         center = _unravel(flat, spatial)
         half = const([s // 2 for s in size], flat.device, torch.int64)
         top = const([s - c for s, c in zip(spatial, size, strict=True)], flat.device, torch.int64)
@@ -251,6 +239,78 @@ class RandomCropByLabel(BatchTransform):
         return batch.map(image=crop, mask=crop)
 
 
+#: Voxels per block of the label draw: a multiple of 8, and at most 8 * 255, so that 0/1
+#: bytes summed 8 at a time as int64 words never carry from one byte into the next.
+_BLOCK = 1024
+
+
+def _foreground(lab: torch.Tensor, voxels: int) -> torch.Tensor:
+    """(N, voxels) bool: where any channel of the label ``(N, ..., *spatial)`` is > 0."""
+    flat = lab.reshape(lab.shape[0], -1, voxels)
+    if lab.is_floating_point() or lab.is_complex() or lab.dtype.is_signed:
+        pos = flat > 0
+    else:
+        # Unsigned (and bool): > 0 is != 0, and the cast to bool is a vectorised copy on the
+        # CPU, about 10x faster than the comparison.
+        pos = flat.bool()
+    return pos[:, 0] if pos.shape[1] == 1 else pos.any(1)
+
+
+def _block_counts(fg: torch.Tensor) -> torch.Tensor:
+    """(N, nb * _BLOCK) bool -> the True voxels per block, int64 (N, nb).
+
+    The 0/1 bytes are summed 8 at a time as int64 words (each byte lane of a block sums at
+    most _BLOCK / 8 ones, so no carry), then the 8 lanes of each block's total are added:
+    about 40x faster on the CPU than ``sum`` over bools, which converts every element.
+    """
+    n = fg.shape[0]
+    words = fg.view(torch.uint8).view(n, -1, _BLOCK // 8, 8).view(torch.int64)  # (N, nb, _BLOCK / 8, 1)
+    return words.sum((-2, -1)).view(torch.uint8).view(n, -1, 8).sum(-1)
+
+
+def draw_voxels(fg: torch.Tensor, u: torch.Tensor, p_fg: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample, a voxel drawn uniformly among its foreground (with probability ``p_fg``)
+    or its background voxels: ``(flat voxel index (N,), foreground (N,) bool)``.
+
+    ``fg`` is (N, V) bool; ``u`` (N, 2) float64 uniforms: ``u[:, 0] < p_fg`` picks the set
+    (a sample without foreground, or without background, takes the other set), and the
+    voxel is the k-th of its set, ``k = floor(u[:, 1] * count)``. The k-th is found in two
+    levels: the running count of the set's voxels over blocks of ``_BLOCK`` finds the block
+    that holds it, a running count inside that block finds the voxel. The result equals a
+    running count over every voxel (the plain way, with V-long cumulative sums per sample,
+    30-50x slower on the CPU). On the device, no host sync, no loop over samples.
+    """
+    n, voxels = fg.shape
+    nb = -(-voxels // _BLOCK)
+    pad = nb * _BLOCK - voxels
+    if pad:
+        fg = torch.nn.functional.pad(fg, (0, pad))  # padding counts as neither set (see below)
+    counts = _block_counts(fg)  # (N, nb) foreground voxels per block
+    count_fg = counts.sum(1)
+    count_bg = voxels - count_fg
+    want_fg = u[:, 0] < p_fg
+    use_fg = torch.where(count_fg == 0, False, torch.where(count_bg == 0, True, want_fg))
+    count = torch.where(use_fg, count_fg, count_bg)
+    k = torch.minimum(torch.floor(u[:, 1] * count.to(torch.float64)).long(), count - 1)
+    background = _BLOCK - counts
+    if pad:
+        background[:, -1] -= pad  # the padding is not background
+    per_block = torch.where(use_fg.view(n, 1), counts, background)
+    running = torch.cumsum(per_block, 1)
+    # The block holding the k-th voxel (0-based): the first whose running count exceeds k.
+    blk = torch.searchsorted(running, (k + 1).view(n, 1))
+    before = (running.gather(1, blk) - per_block.gather(1, blk)).view(n)
+    blk = blk.view(n)
+    inner = fg.view(n * nb, _BLOCK).index_select(0, torch.arange(n, device=fg.device) * nb + blk)
+    chosen = inner == use_fg.view(n, 1)
+    # Within the block, the (k - before)-th chosen voxel. A background draw in the last block
+    # never reaches its padding: the padding sits after the block's real voxels, and
+    # k - before is below their count.
+    inside = torch.cumsum(chosen, 1, dtype=torch.int32)
+    pos = torch.searchsorted(inside, (k - before + 1).to(torch.int32).view(n, 1)).view(n)
+    return blk * _BLOCK + pos, use_fg
+
+
 def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """Flat indices (N,) into coordinates (N, len(shape)) of a C-ordered ``shape``."""
     coords = []
@@ -261,4 +321,4 @@ def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return torch.stack(coords[::-1], dim=1)
 
 
-__all__ = ["RandomCrop", "RandomCropByLabel", "window_crop"]
+__all__ = ["RandomCrop", "RandomCropByLabel", "draw_voxels", "window_crop"]

@@ -276,6 +276,49 @@ def test_crop_by_label_falls_back_when_a_sample_lacks_foreground_or_background()
     assert p["foreground"].tolist() == [False, True, False, False]  # sample 1 has no background
 
 
+def _plain_draw(lab, u, p_fg):
+    """The straightforward draw: a running count over every voxel of the chosen set, then
+    the first voxel whose count exceeds k (flat indices (N,), foreground (N,))."""
+    n = lab.shape[0]
+    fg = (lab.to(torch.float64) > 0).reshape(n, -1, math.prod(lab.shape[2:])).any(1)
+    count_fg = fg.sum(1)
+    count_bg = fg.shape[1] - count_fg
+    use_fg = torch.where(count_fg == 0, False, torch.where(count_bg == 0, True, u[:, 0] < p_fg))
+    chosen = torch.where(use_fg.view(n, 1), fg, ~fg)
+    count = torch.where(use_fg, count_fg, count_bg)
+    k = torch.minimum(torch.floor(u[:, 1] * count.double()).long(), count - 1)
+    flat = torch.searchsorted(torch.cumsum(chosen, 1), (k + 1).view(n, 1)).view(n)
+    return flat, use_fg
+
+
+@pytest.mark.parametrize("shape", [(6, 1, 9, 11), (5, 1, 64, 48), (5, 1, 37, 41, 29), (4, 3, 6, 7, 8),
+                                   (4, 1, 32, 32, 32), (4, 2, 30, 50)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.float32, torch.bool, torch.uint16])
+@pytest.mark.parametrize("pos,neg", [(1, 1), (1, 0), (0, 1), (1, 3)])
+@pytest.mark.usefixtures("both_paths")
+def test_crop_by_label_draw_equals_a_running_count_over_every_voxel(shape, dtype, pos, neg):
+    """The two-level draw (counts per block of voxels, then one block) gives the centres of a
+    running count over every voxel: 2-D and 3-D, several label channels and values, sizes
+    that are and are not a multiple of the block, an all-background and an all-foreground
+    sample, label values <= 0 as background."""
+    g = torch.Generator().manual_seed(sum(shape))
+    lab = (torch.rand(shape, generator=g) < 0.05).to(torch.int16) * torch.randint(1, 4, shape, generator=g,
+                                                                                    dtype=torch.int16)
+    if dtype.is_signed or dtype.is_floating_point:
+        lab = lab - (torch.rand(shape, generator=g) < 0.05).to(torch.int16)  # negatives are background
+    lab[0] = 0  # no foreground
+    lab[1] = 2  # no background
+    lab = lab.to(torch.int32).to(dtype) if dtype != torch.bool else lab > 0
+    n, sd = shape[0], len(shape) - 2
+    batch = A.Batch({"label": lab}, {"label": "mask"}, keys(n, seed=7, start=40), spatial_dims=sd)
+    p = A.RandomCropByLabel(1, pos=pos, neg=neg).draw(batch)
+    flat, use_fg = _plain_draw(lab, batch.keys.uniform(0, 2, dtype=torch.float64), pos / (pos + neg))
+    strides = torch.tensor([math.prod(shape[2 + d + 1:]) for d in range(sd)])
+    assert torch.equal((p["center"] * strides).sum(1), flat)
+    assert torch.equal(p["foreground"], use_fg)
+    assert p["foreground"][:2].tolist() == [False, True]
+
+
 def test_crop_by_label_refuses_bad_setups():
     with pytest.raises(ValueError, match="pos and neg"):
         A.RandomCropByLabel(4, pos=0, neg=0)
