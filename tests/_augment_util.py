@@ -63,3 +63,13 @@ def both_paths(request, monkeypatch):
     """Run a test on the CPU's host shortcuts (nonzero) and on the sync-free accelerator code."""
     monkeypatch.setattr(augment_base, "HOST_SHORTCUTS", request.param == "cpu-shortcuts")
     return request.param
+
+
+@pytest.fixture(params=["mirror-in-cut", "mirror-after-cut"])
+def mirror_regimes(request, monkeypatch):
+    """Run a test with every window mirrored along the last axis inside the cut (mirrored
+    sources, as for small windows) and after it (in place, as for large windows)."""
+    from lightning_fastdata import augment_crop
+
+    monkeypatch.setattr(augment_crop, "MIRROR_AFTER_ELEMENTS", 1 << 62 if request.param == "mirror-in-cut" else 0)
+    return request.param
