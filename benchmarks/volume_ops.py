@@ -12,8 +12,8 @@ One batch of ``--batch-size`` 1 x S^3 int16 volumes with uint8 masks (the data o
   foreground/background indices, ``RandFlipd`` x 3, ``RandScaleIntensityd``) on as many
   cached samples, one by one, and the collation of their outputs into a batch.
 
-Every figure is the minimum over ``--repeats`` runs (the least disturbed one on a shared
-machine). Usage::
+Every figure is the minimum over ``--repeats`` rounds (the least disturbed one on a shared
+machine), the parts taking turns within each round. Usage::
 
     python benchmarks/volume_ops.py                       # 4 x 128^3, 96^3 crops
     python benchmarks/volume_ops.py --side 64 --crop 48   # the quick run's geometry
@@ -44,22 +44,29 @@ def _volumes_module() -> Any:
     return module
 
 
-def best_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """Minimum wall time of ``fn`` over ``repeats`` runs after one warm-up, in ms."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def best_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Minimum wall time of each function over ``repeats`` rounds after one warm-up, in ms.
+
+    The functions take turns within each round, so a load that comes and goes on a shared
+    machine disturbs them alike.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(t) * 1e3 for name, t in times.items()}
 
 
-def fastdata_ops(images: torch.Tensor, labels: torch.Tensor, crop: int, batch: int, repeats: int,
-                 bv: Any) -> dict[str, float]:
-    """ms of the gather, of each op's draw and apply alone, and of the whole Compose."""
+def fastdata_ops(images: torch.Tensor, labels: torch.Tensor, crop: int, batch: int,
+                 bv: Any) -> dict[str, Callable[[], Any]]:
+    """The gather, each op's draw and apply alone (on the previous op's output), and the whole Compose."""
     idx = torch.arange(batch) * 3 % images.shape[0]
-    out = {"gather": best_ms(lambda: [torch.index_select(t, 0, idx) for t in (images, labels)], repeats)}
+    fns: dict[str, Callable[[], Any]] = {
+        "gather": lambda: [torch.index_select(t, 0, idx) for t in (images, labels)]}
     fields = {"image": images.index_select(0, idx), "label": labels.index_select(0, idx)}
     kinds = {"image": "image", "label": "mask"}
     keys = SampleKeys(0, 0, idx)
@@ -69,18 +76,17 @@ def fastdata_ops(images: torch.Tensor, labels: torch.Tensor, crop: int, batch: i
         bb = b.replace(keys=keys.child(i))
         params = op.make_params(bb)
         name = type(op).__name__
-        out[f"{name} draw"] = best_ms(lambda op=op, bb=bb: op.make_params(bb), repeats)
-        out[f"{name} apply"] = best_ms(lambda op=op, bb=bb, p=params: op.apply_batch(bb, **p), repeats)
+        fns[f"{name} draw"] = lambda op=op, bb=bb: op.make_params(bb)
+        fns[f"{name} apply"] = lambda op=op, bb=bb, p=params: op.apply_batch(bb, **p)
         b = op.apply_batch(bb, **params)
-    out["ops alone, total"] = sum(v for k, v in out.items() if k != "gather")
     whole = A.Batch(fields, kinds, keys)
-    out["Compose (fused)"] = best_ms(lambda: aug(whole), repeats)
-    return out
+    fns["Compose (fused)"] = lambda: aug(whole)
+    return fns
 
 
-def monai_ops(images: torch.Tensor, labels: torch.Tensor, crop: int, batch: int, repeats: int,
-              bv: Any) -> dict[str, float]:
-    """ms of MONAI's random transforms on ``batch`` cached samples, one by one, and their collation."""
+def monai_ops(images: torch.Tensor, labels: torch.Tensor, crop: int, batch: int,
+              bv: Any) -> dict[str, Callable[[], Any]]:
+    """MONAI's random transforms on ``batch`` cached samples, one by one, and their collation."""
     from monai.data import CacheDataset, list_data_collate, set_track_meta
     from monai.transforms import Compose
 
@@ -96,13 +102,11 @@ def monai_ops(images: torch.Tensor, labels: torch.Tensor, crop: int, batch: int,
     def run() -> None:
         samples[:] = [chain(item) for item in items]
 
-    out = {"random transforms, per sample": best_ms(run, repeats)}
+    run()
     # RandCropByPosNegLabeld returns a list of num_samples (here 1) dicts per input.
     firsts = [s[0] if isinstance(s, list) else s for s in samples]
     keep = [{k: s[k] for k in ("image", "label")} for s in firsts]
-    out["collate"] = best_ms(lambda: list_data_collate(keep), repeats)
-    out["total"] = out["random transforms, per sample"] + out["collate"]
-    return out
+    return {"random transforms, per sample": run, "collate": lambda: list_data_collate(keep)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -120,11 +124,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bv = _volumes_module()
     im, lb = bv.make_volumes(args.volumes, args.side)
     images, labels = torch.from_numpy(im), torch.from_numpy(lb)
+    ours = fastdata_ops(images, labels, args.crop, args.batch_size, bv)
+    theirs = {} if args.no_monai else monai_ops(images, labels, args.crop, args.batch_size, bv)
+    ms = best_ms({**ours, **{f"monai {k}": f for k, f in theirs.items()}}, args.repeats)
     report: dict[str, Any] = {"side": args.side, "crop": args.crop, "batch_size": args.batch_size,
                               "threads": args.threads, "repeats": args.repeats,
-                              "fastdata_ms": fastdata_ops(images, labels, args.crop, args.batch_size, args.repeats, bv)}
-    if not args.no_monai:
-        report["monai_ms"] = monai_ops(images, labels, args.crop, args.batch_size, args.repeats, bv)
+                              "fastdata_ms": {k: ms[k] for k in ours}}
+    report["fastdata_ms"]["ops alone, total"] = sum(
+        v for k, v in report["fastdata_ms"].items() if k not in ("gather", "Compose (fused)"))
+    if theirs:
+        report["monai_ms"] = {k: ms[f"monai {k}"] for k in theirs}
+        report["monai_ms"]["total"] = sum(report["monai_ms"].values())
     print(f"batch of {args.batch_size} x 1x{args.side}^3 int16 + uint8 masks, {args.crop}^3 crops, "
           f"{args.threads} torch thread(s), min of {args.repeats} (ms)")
     for side in ("fastdata_ms", "monai_ms"):
