@@ -51,10 +51,12 @@ from lightning_fastdata.augment_crop import RandomCrop, RandomCropByLabel
 from lightning_fastdata.augment_flip import RandomFlip, RandomHorizontalFlip, RandomRot90, RandomVerticalFlip
 from lightning_fastdata.augment_intensity import (
     GaussianNoise,
+    PointwiseIntensity,
     RandomAdjustContrast,
     RandomScaleIntensity,
     RandomShiftIntensity,
     ScaleIntensityRange,
+    run_pointwise,
 )
 from lightning_fastdata.augment_resample import RandomAffine, RandomResizedCrop, RandomRotation
 from lightning_fastdata.augment_resize import CenterCrop, Resize, resize_center_crop
@@ -77,16 +79,38 @@ def _run(op: Callable, batch: Batch, keys: SampleKeys) -> Batch:
     return batch.map(image=op)
 
 
+def _fusable_crop(op: Callable) -> bool:
+    return type(op) in (RandomCrop, RandomCropByLabel)
+
+
 def _fusable_flip(op: Callable) -> bool:
-    return isinstance(op, RandomFlip) and op.dims == (-1,)
+    # RandomFlip and its subclasses that only preset dims (horizontal, vertical).
+    return (isinstance(op, RandomFlip) and type(op).make_params is RandomFlip.make_params
+            and type(op).apply_batch is RandomFlip.apply_batch)
+
+
+def _pointwise(op: Callable) -> bool:
+    return isinstance(op, PointwiseIntensity) and type(op).apply_batch in (
+        PointwiseIntensity.apply_batch, *(c.apply_batch for c in _POINTWISE))
+
+
+_POINTWISE = (ScaleIntensityRange, RandomScaleIntensity, RandomShiftIntensity)
 
 
 class Compose(BatchTransform):
     """Apply ops in order; the op at position i draws from ``keys.child(i)``.
 
-    A ``RandomCrop`` followed by a horizontal flip runs as one pass, with the same draws
-    and output as the two ops in sequence; so does ``Resize(int)`` followed by
-    ``CenterCrop`` on a list of images on an accelerator (resampled straight to the crop).
+    Some runs of ops are fused into fewer passes over the batch, with the same draws and a
+    bit-identical output to the ops in sequence:
+
+    - a ``RandomCrop`` or ``RandomCropByLabel`` followed by a ``RandomFlip`` (any axes;
+      ``RandomHorizontalFlip``, ``RandomVerticalFlip``) cuts mirrored windows in one pass;
+    - consecutive ``ScaleIntensityRange``, ``RandomScaleIntensity`` and
+      ``RandomShiftIntensity`` run as one chain of elementwise steps (the same float
+      operations in the same order, over cache-sized chunks on the CPU);
+    - ``Resize(int)`` followed by ``CenterCrop`` on a list of images, on an accelerator,
+      resamples straight to the crop (within float rounding of the two ops in sequence).
+
     Callables that are not augment ops are applied to each image field's tensor.
 
     Args:
@@ -102,10 +126,10 @@ class Compose(BatchTransform):
         while i < len(ops):
             op = ops[i]
             nxt = ops[i + 1] if i + 1 < len(ops) else None
-            if type(op) is RandomCrop and _fusable_flip(nxt) and not batch.ragged:
+            if _fusable_crop(op) and _fusable_flip(nxt) and not batch.ragged:
                 crop = op.make_params(batch.replace(keys=keys.child(i)))
                 flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))  # type: ignore[union-attr]
-                batch = op.apply_batch(batch, **crop, flip=flip["flip"][:, 0])
+                batch = op.apply_batch(batch, **crop, flip=flip["flip"], flip_dims=nxt.dims)  # type: ignore[union-attr]
                 i += 2
                 continue
             if type(op) is Resize and len(op.size) == 1 and type(nxt) is CenterCrop:
@@ -114,6 +138,14 @@ class Compose(BatchTransform):
                     batch = fused
                     i += 2
                     continue
+            end = i
+            while end < len(ops) and _pointwise(ops[end]):
+                end += 1
+            if end - i > 1 and not batch.ragged:
+                chain = [(ops[j], ops[j].make_params(batch.replace(keys=keys.child(j)))) for j in range(i, end)]
+                batch = run_pointwise(batch, chain)  # type: ignore[arg-type]
+                i = end
+                continue
             batch = _run(op, batch, keys.child(i))
             i += 1
         return batch.replace(keys=keys)

@@ -81,3 +81,13 @@ def ragged(sizes=RAGGED_SIZES, dtype=torch.uint8, channels: int = 3, seed: int =
 def ragged_masks(sizes=RAGGED_SIZES) -> list[torch.Tensor]:
     """Label maps (H, W) aligned with ``ragged(sizes)``, int64 with values 0..6."""
     return [(torch.arange(h * w).view(h, w) * 7 // 5) % 7 for h, w in sizes]
+
+
+@pytest.fixture(params=["mirror-in-cut", "mirror-after-cut"])
+def mirror_regimes(request, monkeypatch):
+    """Run a test with every window mirrored along the last axis inside the cut (mirrored
+    sources, as for small windows) and after it (in place, as for large windows)."""
+    from lightning_fastdata import augment_crop
+
+    monkeypatch.setattr(augment_crop, "MIRROR_AFTER_ELEMENTS", 1 << 62 if request.param == "mirror-in-cut" else 0)
+    return request.param

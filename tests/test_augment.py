@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _augment_util import both_paths, images, keys, ragged, ragged_masks, within_binomial  # noqa: F401
+from _augment_util import (  # noqa: F401
+    both_paths,
+    images,
+    keys,
+    mirror_regimes,
+    ragged,
+    ragged_masks,
+    within_binomial,
+)
 
 from lightning_fastdata import augment as A
 from lightning_fastdata.keys import SampleKeys
@@ -392,6 +400,7 @@ def test_ops_build_from_a_lightning_cli_config():
     assert "RandomCropByLabel(size=(4, 6, 6), pos=2.0, neg=1.0, label='label')" in repr(aug)
 
 
+@pytest.mark.usefixtures("mirror_regimes")
 def test_the_accelerator_path_never_reads_device_values_on_the_host(monkeypatch):
     """A CPU stand-in for the CUDA sync test: with the host shortcuts off (as on any accelerator)
     no op calls nonzero, item, tolist, numpy or bool() on a tensor, any of which would make the

@@ -242,3 +242,18 @@ def test_volumes_quick_writes_json(tmp_path):
     assert res["device_vs_monai_best"] == pytest.approx(
         res["summary"][2]["samples_per_s"] / max(r["samples_per_s"] for r in res["summary"][:2]))
     assert "| lightning_fastdata device |" in proc.stdout
+
+
+def test_volume_ops_breakdown_times_every_op_and_the_fused_compose(tmp_path):
+    out = tmp_path / "ops.json"
+    threads = torch.get_num_threads()
+    try:
+        report = _module("volume_ops").main(["--volumes", "3", "--side", "24", "--crop", "16", "--batch-size", "2",
+                                             "--repeats", "1", "--no-monai", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == report
+    ms = report["fastdata_ms"]
+    for op in ("RandomCropByLabel", "RandomFlip", "ScaleIntensityRange", "RandomScaleIntensity"):
+        assert ms[f"{op} draw"] >= 0 and ms[f"{op} apply"] > 0
+    assert ms["gather"] > 0 and ms["Compose (fused)"] > 0 and "monai_ms" not in report
