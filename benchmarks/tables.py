@@ -244,6 +244,27 @@ def peers(results: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- volumes vs MONAI
+
+
+@table("volumes", "volumes.json")
+def volumes(results: Path) -> str:
+    """3-D volumes: MONAI's two recipes and the device strategy, each against MONAI's best."""
+    d = _load(results, "volumes.json")
+    rows = [[r["loader"], r["settings"], f"{r['samples_per_s']:,.1f}", _ratio(r["vs_monai_best"])]
+            for r in d["summary"]]
+    lines = _rows(["loader", "settings", "samples/s", "vs MONAI's best"], ["---", "---", "---:", "---:"], rows)
+    m = d["machine"]
+    same = "the same output on every side" if d["same_output_shapes"] and d["same_output_dtypes"] else (
+        "**the sides' outputs differ** (see the JSON)")
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    lines += ["", f"{d['volumes']} volumes 1x{d['side']}^3 int16 + uint8 masks, {d['crop']}^3 crops, batch "
+              f"{d['batch_size']}: {d['work']}; {same}. Median of {d['repeats']} repeat(s) of {d['batches']} "
+              f"batches on {m['device']}{gpu} ({m['affinity']} CPUs, {m['torch_threads']} torch thread(s), torch "
+              f"{m['torch']}, MONAI {m.get('monai', '?')}).", "", _source("volumes.json", quick=bool(d.get("quick")))]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- callback overhead
 
 
@@ -422,6 +443,46 @@ def bench_example(results: Path) -> str:
     text = format_table(d["results"], d["batch_size"], d["device"])
     return "\n".join(["```", text, "", f"recommendation: {d['advice']}", "```", "",
                       _source("bench_example.json")])
+
+
+# --------------------------------------------------------------------------- JPEG storage and decode
+
+
+@table("jpeg", "jpeg.json")
+def jpeg(results: Path) -> str:
+    """Store bytes vs the JPEG files and their decoded size; loader-only images/s of the plain
+    DataLoader, the workers and device strategies at max_side None and 256 (and DALI on a GPU)."""
+    d = _load(results, "jpeg.json")
+    m, s = d["meta"], d["sizes"]
+    where = f"{m['device']} ({m['device_name']}, {m['cpu_count']} CPUs, {m.get('torch_threads', '?')} torch threads)"
+    head = (f"{s['images']:,} generated JPEG photos, sides {m['sides'][0]}-{m['sides'][1]} px, on {where}, "
+            f"batch {m['batch_size']}, decoder {m['decoder']}; every pipeline ends in uint8 224x224 crops "
+            "(RandomResizedCrop 224 + horizontal flip, no model).")
+    mb = 1e6
+    sizes = [["JPEG files", f"{s['jpeg_files'] / mb:,.1f}", "1.00x"],
+             ["decoded (3 x H x W)", f"{s['decoded'] / mb:,.1f}", f"{s['decoded'] / s['jpeg_files']:.2f}x"]]
+    for key in ("none", "256"):
+        b = d["fastdata"].get(f"store_bytes/{key}")
+        if b is not None:
+            sizes.append([f"store, `max_side={key}`", f"{b / mb:,.1f}", f"{b / s['jpeg_files']:.2f}x"])
+    lines = [head, "", *_rows(["bytes", "MB", "vs the JPEG files"], ["---", "---:", "---:"], sizes), ""]
+    plain = d["plain"]
+    rows = [[f"plain `DataLoader`: PIL decode + torchvision per sample (best of num_workers "
+             f"{', '.join(plain['per_workers'])}: {plain['best_workers']})", _rate(plain["images_per_s"]), "1.00x"]]
+    for name, v in d["fastdata"].items():
+        if isinstance(v, dict) and "images_per_s" in v:
+            strategy, side = name.split("/")
+            rows.append([f"`{strategy}` strategy, `max_side={side}`", _rate(v["images_per_s"]),
+                         _ratio(v["images_per_s"] / plain["images_per_s"])])
+    if d.get("dali"):
+        rows.append(["DALI (GPU decode + crop)", _rate(d["dali"]["images_per_s"]),
+                     _ratio(d["dali"]["images_per_s"] / plain["images_per_s"])])
+    lines += _rows(["pipeline", "images/s", "vs plain"], ["---", "---:", "---:"], rows)
+    prof = d["fastdata"].get("profile_device_256")
+    if prof:
+        lines += ["", f"Time of the `device` strategy at `max_side=256`: gather {prof['gather']:.0%}, decode "
+                      f"{prof['decode']:.0%}, augment {prof['augment']:.0%}."]
+    return "\n".join([*lines, "", _source("jpeg.json", quick=m["quick"])])
 
 
 # --------------------------------------------------------------------------- rewriting

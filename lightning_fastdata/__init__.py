@@ -5,6 +5,7 @@ from lightning_fastdata.callbacks import FastDataCallback
 from lightning_fastdata.datamodule import OptimizedDataModule
 from lightning_fastdata.plan import Plan, Resources, decide, probe_resources
 from lightning_fastdata.profiler import DataWaitProfiler
+from lightning_fastdata.ragged import RaggedArray, RaggedBatch
 from lightning_fastdata.store import Store, build_store, open_store
 
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "FastDataCallback",
     "OptimizedDataModule",
     "Plan",
+    "RaggedArray",
+    "RaggedBatch",
     "Resources",
     "Store",
     "augment",

@@ -51,12 +51,15 @@ from lightning_fastdata.augment_crop import RandomCrop, RandomCropByLabel
 from lightning_fastdata.augment_flip import RandomFlip, RandomHorizontalFlip, RandomRot90, RandomVerticalFlip
 from lightning_fastdata.augment_intensity import (
     GaussianNoise,
+    PointwiseIntensity,
     RandomAdjustContrast,
     RandomScaleIntensity,
     RandomShiftIntensity,
     ScaleIntensityRange,
+    run_pointwise,
 )
 from lightning_fastdata.augment_resample import RandomAffine, RandomResizedCrop, RandomRotation
+from lightning_fastdata.augment_resize import CenterCrop, Resize, resize_center_crop
 from lightning_fastdata.keys import SampleKeys
 
 
@@ -76,16 +79,39 @@ def _run(op: Callable, batch: Batch, keys: SampleKeys) -> Batch:
     return batch.map(image=op)
 
 
+def _fusable_crop(op: Callable) -> bool:
+    return type(op) in (RandomCrop, RandomCropByLabel)
+
+
 def _fusable_flip(op: Callable) -> bool:
-    return isinstance(op, RandomFlip) and op.dims == (-1,)
+    # RandomFlip and its subclasses that only preset dims (horizontal, vertical).
+    return (isinstance(op, RandomFlip) and type(op).make_params is RandomFlip.make_params
+            and type(op).apply_batch is RandomFlip.apply_batch)
+
+
+def _pointwise(op: Callable) -> bool:
+    return isinstance(op, PointwiseIntensity) and type(op).apply_batch in (
+        PointwiseIntensity.apply_batch, *(c.apply_batch for c in _POINTWISE))
+
+
+_POINTWISE = (ScaleIntensityRange, RandomScaleIntensity, RandomShiftIntensity)
 
 
 class Compose(BatchTransform):
     """Apply ops in order; the op at position i draws from ``keys.child(i)``.
 
-    A ``RandomCrop`` or ``RandomResizedCrop`` followed by a horizontal flip runs as one
-    pass, with the same draws and output as the two ops in sequence. Callables that are not augment ops are applied
-    to each image field's tensor.
+    Some runs of ops are fused into fewer passes over the batch, with the same draws and a
+    bit-identical output to the ops in sequence:
+
+    - a ``RandomCrop`` or ``RandomCropByLabel`` followed by a ``RandomFlip`` (any axes;
+      ``RandomHorizontalFlip``, ``RandomVerticalFlip``) cuts mirrored windows in one pass;
+    - consecutive ``ScaleIntensityRange``, ``RandomScaleIntensity`` and
+      ``RandomShiftIntensity`` run as one chain of elementwise steps (the same float
+      operations in the same order, over cache-sized chunks on the CPU);
+    - ``Resize(int)`` followed by ``CenterCrop`` on a list of images, on an accelerator,
+      resamples straight to the crop (within float rounding of the two ops in sequence).
+
+    Callables that are not augment ops are applied to each image field's tensor.
 
     Args:
         transforms: The ops, applied first to last.
@@ -100,11 +126,25 @@ class Compose(BatchTransform):
         while i < len(ops):
             op = ops[i]
             nxt = ops[i + 1] if i + 1 < len(ops) else None
-            if type(op) in (RandomCrop, RandomResizedCrop) and _fusable_flip(nxt):
+            if _fusable_crop(op) and _fusable_flip(nxt) and not batch.ragged:
                 crop = op.make_params(batch.replace(keys=keys.child(i)))
                 flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))  # type: ignore[union-attr]
-                batch = op.apply_batch(batch, **crop, flip=flip["flip"][:, 0])
+                batch = op.apply_batch(batch, **crop, flip=flip["flip"], flip_dims=nxt.dims)  # type: ignore[union-attr]
                 i += 2
+                continue
+            if type(op) is Resize and len(op.size) == 1 and type(nxt) is CenterCrop:
+                fused = resize_center_crop(op, nxt, batch)
+                if fused is not None:
+                    batch = fused
+                    i += 2
+                    continue
+            end = i
+            while end < len(ops) and _pointwise(ops[end]):
+                end += 1
+            if end - i > 1 and not batch.ragged:
+                chain = [(ops[j], ops[j].make_params(batch.replace(keys=keys.child(j)))) for j in range(i, end)]
+                batch = run_pointwise(batch, chain)  # type: ignore[arg-type]
+                i = end
                 continue
             batch = _run(op, batch, keys.child(i))
             i += 1
@@ -167,6 +207,7 @@ class RandomApply(BatchTransform):
 __all__ = [
     "Batch",
     "BatchTransform",
+    "CenterCrop",
     "ColorJitter",
     "Compose",
     "GaussianNoise",
@@ -185,6 +226,7 @@ __all__ = [
     "RandomScaleIntensity",
     "RandomShiftIntensity",
     "RandomVerticalFlip",
+    "Resize",
     "SampleKeys",
     "ScaleIntensityRange",
     "ToDtype",

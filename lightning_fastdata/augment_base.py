@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,8 +50,9 @@ class Batch:
     """Named fields of one batch, their kinds, and the keys of its samples.
 
     Args:
-        fields: Field name -> tensor with the samples along dim 0 (``other`` fields may be
-            anything, e.g. a list).
+        fields: Field name -> tensor with the samples along dim 0, or a list of per-sample
+            tensors of varying spatial size (a ragged field, e.g. decoded JPEGs: ``(C, H, W)``
+            images, ``(H, W)`` or ``(1, H, W)`` masks); ``other`` fields may be anything.
         kinds: Field name -> ``"image"``, ``"mask"`` or ``"other"``; fields not named are
             ``other``. Default: the first field is the image, the rest ``other``.
         keys: The samples' random keys; default ``SampleKeys.for_batch(N)`` on the first
@@ -59,7 +61,10 @@ class Batch:
             first image field: 4-D is 2-D images, 5-D is volumes (video needs an explicit 2).
 
     Every image and mask field must have the same spatial size (crops and rotations
-    keep them aligned) and the same number of samples.
+    keep them aligned) and the same number of samples. Image and mask fields are either all
+    tensors or all lists (then sample i of every field has one spatial size). Size-fixing ops
+    (``RandomResizedCrop``, ``Resize((h, w))``, ``CenterCrop``, ``RandomCrop``) turn lists
+    into batch tensors; other ops run once per sample on a list (and keep it a list).
     """
 
     __slots__ = ("fields", "kinds", "keys", "spatial_dims")
@@ -92,22 +97,25 @@ class Batch:
         self.keys = keys
 
     def _check_fields(self) -> tuple[int, torch.device]:
+        names = self.names("image", "mask")
+        if not names:
+            raise ValueError(f"Batch has no image or mask field to augment (kinds: {self.kinds})")
+        lists = [name for name in names if isinstance(self.fields[name], (list, tuple))]
+        if lists:
+            if len(lists) != len(names):
+                tensors = sorted(set(names) - set(lists))
+                raise TypeError(f"Batch fields {lists} are lists of samples but {tensors} are tensors; image and "
+                                "mask fields must be all tensors or all lists (one tensor per sample)")
+            return self._check_lists(names)
         sd = self.spatial_dims
         ref: tuple[str, torch.Tensor] | None = None
-        for name in self.names("image", "mask"):
+        for name in names:
             x = self.fields[name]
             kind = self.kinds[name]
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"Batch field {name!r} ({kind}) is a {type(x).__name__}; image and mask fields "
-                                "must be tensors with the samples along dim 0 (ragged fields are not supported "
-                                "by augment yet)")
-            least = sd + (2 if kind == "image" else 1)
-            if x.ndim < least:
-                layout = "(N, C, D, H, W)" if sd == 3 else "(N, C, H, W)"
-                if kind == "mask":
-                    layout = "(N, D, H, W) or (N, 1, D, H, W)" if sd == 3 else "(N, H, W) or (N, 1, H, W)"
-                raise ValueError(f"Batch field {name!r} ({kind}) has shape {tuple(x.shape)}; with "
-                                 f"spatial_dims={sd} it needs {layout}")
+                                "must be tensors with the samples along dim 0, or lists of per-sample tensors")
+            _check_ndim(name, kind, x.shape, sd, batched=True)
             if ref is None:
                 ref = (name, x)
                 continue
@@ -121,9 +129,36 @@ class Batch:
                                  "spatial size) to be augmented together")
             if x.device != r.device:
                 raise ValueError(f"Batch fields {rname!r} and {name!r} are on {r.device} and {x.device}")
-        if ref is None:
-            raise ValueError(f"Batch has no image or mask field to augment (kinds: {self.kinds})")
+        assert ref is not None
         return ref[1].shape[0], ref[1].device
+
+    def _check_lists(self, names: list[str]) -> tuple[int, torch.device]:
+        """Lists of per-sample tensors: same count in every field, sample i aligned across fields."""
+        sd = self.spatial_dims
+        for name in names:
+            if not isinstance(self.fields[name], list):
+                self.fields[name] = list(self.fields[name])
+        first = self.fields[names[0]]
+        if not first:
+            raise ValueError(f"Batch field {names[0]!r} is an empty list; a list field needs one tensor per sample")
+        device = first[0].device if isinstance(first[0], torch.Tensor) else None
+        for name in names:
+            xs, kind = self.fields[name], self.kinds[name]
+            if len(xs) != len(first):
+                raise ValueError(f"Batch fields {names[0]!r} and {name!r} have {len(first)} and {len(xs)} samples; "
+                                 "every image and mask field needs one tensor per sample")
+            for i, x in enumerate(xs):
+                if not isinstance(x, torch.Tensor):
+                    raise TypeError(f"Batch field {name!r} ({kind}) sample {i} is a {type(x).__name__}, not a tensor")
+                _check_ndim(f"{name}[{i}]", kind, x.shape, sd, batched=False)
+                if x.device != device:
+                    raise ValueError(f"Batch field {name!r} sample {i} is on {x.device}, sample 0 of "
+                                     f"{names[0]!r} on {device}; a batch lives on one device")
+                if name != names[0] and x.shape[-sd:] != first[i].shape[-sd:]:
+                    raise ValueError(f"Batch fields {names[0]!r} and {name!r} have spatial sizes "
+                                     f"{tuple(first[i].shape[-sd:])} and {tuple(x.shape[-sd:])} at sample {i}; image "
+                                     "and mask fields must be aligned (same spatial size) to be augmented together")
+        return len(first), device  # type: ignore[return-value]
 
     def names(self, *kinds: str) -> list[str]:
         """The names of the fields of the given kinds, in field order."""
@@ -133,15 +168,37 @@ class Batch:
         return len(self.keys)
 
     @property
-    def spatial_size(self) -> tuple[int, ...]:
-        """(H, W) or (D, H, W) of the image and mask fields."""
+    def ragged(self) -> bool:
+        """Whether the image and mask fields are lists of per-sample tensors (sizes may vary)."""
+        return isinstance(self.fields[self.names("image", "mask")[0]], list)
+
+    @property
+    def spatial_size(self) -> Any:
+        """(H, W) or (D, H, W) of the image and mask fields; for a ragged batch, a list with
+        each sample's."""
         first = self.fields[self.names("image", "mask")[0]]
+        if isinstance(first, list):
+            return [tuple(x.shape[-self.spatial_dims:]) for x in first]
         return tuple(first.shape[-self.spatial_dims:])
 
     @property
     def device(self) -> torch.device:
         """The device of the image and mask fields."""
-        return self.fields[self.names("image", "mask")[0]].device
+        first = self.fields[self.names("image", "mask")[0]]
+        return first[0].device if isinstance(first, list) else first.device
+
+    def sample(self, i: int, rows: torch.Tensor | None = None) -> Batch:
+        """Sample ``i`` of a ragged batch as a batch of one (tensors ``(1, ...)``; ``other``
+        fields left out); ``rows`` is ``arange(N)`` on the keys' device, if at hand."""
+        names = self.names("image", "mask")
+        if rows is None:
+            rows = torch.arange(len(self), device=self.keys.device)
+        out = Batch.__new__(Batch)
+        out.kinds = {k: self.kinds[k] for k in names}
+        out.spatial_dims = self.spatial_dims
+        out.fields = {k: self.fields[k][i].unsqueeze(0) for k in names}
+        out.keys = self.keys.take(rows[i:i + 1])
+        return out
 
     def replace(self, fields: Mapping[str, Any] | None = None, keys: SampleKeys | None = None) -> Batch:
         """A new batch with some fields (same names) and/or the keys replaced."""
@@ -174,21 +231,51 @@ class Batch:
 
     def __repr__(self) -> str:
         parts = ", ".join(
-            f"{name}: {self.kinds[name]} {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+            f"{name}: {self.kinds[name]} {_describe(v)}"
             for name, v in self.fields.items())
         return f"Batch({parts}; spatial_dims={self.spatial_dims}, keys={self.keys!r})"
 
 
 def _infer_spatial_dims(fields: Mapping[str, Any], kinds: Mapping[str, str]) -> int:
     for name, kind in kinds.items():
-        if kind == "image" and isinstance(fields[name], torch.Tensor):
-            ndim = fields[name].ndim
+        value = fields[name]
+        if kind == "image" and isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            ndim = value[0].ndim
+            if ndim in (3, 4):
+                return ndim - 1
+            raise ValueError(f"Batch field {name!r} is a list of {ndim}-D tensors: give spatial_dims (2 for "
+                             "images (C, H, W), 3 for volumes (C, D, H, W))")
+        if kind == "image" and isinstance(value, torch.Tensor):
+            ndim = value.ndim
             if ndim in (4, 5):
                 return ndim - 2
             raise ValueError(f"Batch field {name!r} has {ndim} dims: give spatial_dims (2 for images "
                              "(N, ..., C, H, W), 3 for volumes (N, ..., C, D, H, W)); a plain tensor is 4-D "
                              "(N, C, H, W) or 5-D (N, C, D, H, W)")
     raise ValueError("Batch has no image field to infer spatial_dims from; pass spatial_dims=2 or 3")
+
+
+def _check_ndim(name: str, kind: str, shape: torch.Size, sd: int, batched: bool) -> None:
+    ndim = len(shape)
+    least = sd + (2 if kind == "image" else 1) - (0 if batched else 1)
+    if ndim >= least:
+        return
+    if kind == "mask":
+        layout = "(D, H, W) or (1, D, H, W)" if sd == 3 else "(H, W) or (1, H, W)"
+    else:
+        layout = "(C, D, H, W)" if sd == 3 else "(C, H, W)"
+    if batched:
+        layout = "(N, " + layout[1:].replace(" or (", " or (N, ")
+    raise ValueError(f"Batch field {name!r} ({kind}) has shape {tuple(shape)}; with spatial_dims={sd} it "
+                     f"needs {layout}")
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return str(tuple(v.shape))
+    if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
+        return f"list of {len(v)} ({v[0].ndim}-D)"
+    return type(v).__name__
 
 
 def as_batch(x: torch.Tensor | Batch, keys: SampleKeys | None) -> tuple[Batch, str | None]:
@@ -200,8 +287,11 @@ def as_batch(x: torch.Tensor | Batch, keys: SampleKeys | None) -> tuple[Batch, s
         raise TypeError(f"keys must be a SampleKeys, got {type(keys).__name__}")
     if isinstance(x, Batch):
         return (x if keys is None else x.replace(keys=keys)), None
+    if isinstance(x, (list, tuple)):
+        return Batch({"image": list(x)}, {"image": "image"}, keys), "image"
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"augment ops take a tensor or an augment.Batch, got {type(x).__name__}")
+        raise TypeError(f"augment ops take a tensor, a list of (C, H, W) tensors or an augment.Batch, got "
+                        f"{type(x).__name__}")
     if x.ndim not in (4, 5):
         raise ValueError(f"a plain tensor batch must be (N, C, H, W) or (N, C, D, H, W), got shape "
                          f"{tuple(x.shape)}; for video or other layouts use augment.Batch(..., spatial_dims=2)")
@@ -211,19 +301,28 @@ def as_batch(x: torch.Tensor | Batch, keys: SampleKeys | None) -> tuple[Batch, s
 class BatchTransform:
     """Base class of the ops: ``op(x)`` or ``op(x, keys)`` returns the transformed batch.
 
-    ``x`` is a tensor (one image field) or a :class:`Batch`; the result has the same type.
-    Subclasses define ``make_params(batch)`` (the per-sample parameters, drawn from
-    ``batch.keys`` only) and ``apply_batch(batch, **params)``; ``draw`` and ``apply`` are
-    their public faces, so ``op(x, keys) == op.apply(x, **op.draw(x, keys))``.
+    ``x`` is a tensor (one image field), a list of per-sample image tensors, or a
+    :class:`Batch`; the result has the same type, except that size-fixing ops turn lists
+    into batch tensors. Subclasses define ``make_params(batch)`` (the per-sample
+    parameters, drawn from ``batch.keys`` only) and ``apply_batch(batch, **params)``;
+    ``draw`` and ``apply`` are their public faces, so ``op(x, keys) == op.apply(x, **op.draw(x, keys))``.
+    An op whose ``lists`` is False runs once per sample on a ragged batch, each sample a
+    batch of one with its own keys (the same pixels it would get in a batch tensor).
     """
 
-    def __call__(self, x: torch.Tensor | Batch, keys: SampleKeys | None = None) -> torch.Tensor | Batch:
+    #: Whether ``make_params`` and ``apply_batch`` take ragged batches (lists of samples).
+    lists = False
+
+    def __call__(self, x: torch.Tensor | list[torch.Tensor] | Batch,
+                 keys: SampleKeys | None = None) -> torch.Tensor | list[torch.Tensor] | Batch:
         batch, name = as_batch(x, keys)
         out = self.forward(batch)
         return out if name is None else out.fields[name]
 
     def forward(self, batch: Batch) -> Batch:
         """Draw and apply on a Batch (overridden by ops that run other ops)."""
+        if batch.ragged and not self.lists:
+            return per_sample(self, batch)
         return self.apply_batch(batch, **self.make_params(batch))
 
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -234,19 +333,55 @@ class BatchTransform:
         """The op at the given parameters."""
         raise NotImplementedError
 
-    def draw(self, x: torch.Tensor | Batch, keys: SampleKeys | None = None) -> dict[str, torch.Tensor]:
+    def draw(self, x: torch.Tensor | list[torch.Tensor] | Batch,
+             keys: SampleKeys | None = None) -> dict[str, torch.Tensor]:
         """The per-sample parameters this op would use on ``x`` with ``keys``."""
-        return self.make_params(as_batch(x, keys)[0])
+        batch = as_batch(x, keys)[0]
+        if batch.ragged and not self.lists:
+            rows = torch.arange(len(batch), device=batch.keys.device)
+            each = [self.make_params(batch.sample(i, rows)) for i in range(len(batch))]
+            return {k: torch.cat([p[k] for p in each]) for k in each[0]}
+        return self.make_params(batch)
 
-    def apply(self, x: torch.Tensor | Batch, **params: torch.Tensor) -> torch.Tensor | Batch:
+    def apply(self, x: torch.Tensor | list[torch.Tensor] | Batch,
+              **params: torch.Tensor) -> torch.Tensor | list[torch.Tensor] | Batch:
         """The op on ``x`` at the given per-sample parameters (as returned by ``draw``)."""
         batch, name = as_batch(x, None)
-        out = self.apply_batch(batch, **params)
+        if batch.ragged and not self.lists:
+            out = per_sample(self, batch, params)
+        else:
+            out = self.apply_batch(batch, **params)
         return out if name is None else out.fields[name]
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
+
+
+_WARNED: set[str] = set()
+
+
+def per_sample(op: BatchTransform, batch: Batch, params: dict[str, torch.Tensor] | None = None) -> Batch:
+    """``op`` on each sample of a ragged batch as a batch of one (drawn with that sample's
+    keys, or at row i of ``params``); the fields stay lists."""
+    name = type(op).__name__
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"{name} runs once per sample on a list of variable-size images (a ragged field); put it "
+                      "after a size-fixing op (RandomResizedCrop, Resize((h, w)), CenterCrop, RandomCrop) to run "
+                      "it on one batch tensor", stacklevel=4)
+    names = batch.names("image", "mask")
+    rows = torch.arange(len(batch), device=batch.keys.device)
+    outs: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+    for i in range(len(batch)):
+        one = batch.sample(i, rows)
+        if params is None:
+            res = op.forward(one)
+        else:
+            res = op.apply_batch(one, **{k: v[i:i + 1] for k, v in params.items()})
+        for k in names:
+            outs[k].append(res.fields[k][0])
+    return batch.replace(outs)
 
 
 # --------------------------------------------------------------------------- shared helpers

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from lightning_fastdata.augment_base import (
@@ -22,6 +21,7 @@ from lightning_fastdata.augment_base import (
     scratch,
     spatial_arg,
 )
+from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter, take
 
 
 def _fill_border(src: torch.Tensor, py: int, px: int, h: int, w: int, fill: float) -> None:
@@ -65,31 +65,21 @@ def _row_grid(m: int, plane: int, size: tuple[int, ...], strides: list[int], dev
     return grid
 
 
-def _corners_host(offset: torch.Tensor, mirrored: torch.Tensor | None, n: int, sample_stride: int, last_span: int,
-                  strides: list[int]) -> np.ndarray:
-    """Flat start of each sample's window in the padded source (CPU): sample ``i`` of
-    ``mirrored`` (the flipped samples) reads copy ``n + i`` at the mirrored column."""
-    off = offset.numpy().astype(np.int64)
-    sample = np.arange(n, dtype=np.int64)
-    if mirrored is not None and mirrored.numel():
-        rows = mirrored.numpy()
-        sample[rows] = np.arange(n, n + rows.size, dtype=np.int64)
-        off[rows, -1] = last_span - off[rows, -1]
-    return sample * sample_stride + off @ np.asarray(strides, dtype=np.int64)
-
-
 def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: int,
                 flip: torch.Tensor | None = None, padding: Sequence[int] | None = None,
-                fill: float = 0) -> torch.Tensor:
+                fill: float = 0, mirror_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sample crop of ``pad(x)`` at ``offset`` (N, sd), of ``size``, optionally mirrored
-    along the last axis; ``x`` is ``(N, ..., *spatial)`` with ``sd`` spatial dims.
+    along the last axis (``flip``, bool (N,)) and along the other spatial axes
+    (``mirror_rows``, bool (N, sd - 1)); ``x`` is ``(N, ..., *spatial)`` with ``sd`` spatial dims.
 
     Each output row of the last axis is one contiguous run of the padded source, so the
     crop is a single ``index_select`` of rows from an overlapping "every start offset" view
     of the source (a memcpy per row), instead of a per-pixel gather with an int64 index per
     output element (5-7x slower on the CPU). Mirrored samples read from mirrored copies of
     their padded source at the mirrored column: ``flip(crop(p, o)) == crop(flip(p), W - w - o)``.
-    The output is bit-identical to ``F.pad`` and slicing.
+    Mirroring along another axis only reverses the order in which that axis's rows are
+    read: their start offsets change, the pass is the same. The output is bit-identical
+    to ``F.pad``, slicing and ``torch.flip``.
     """
     n = x.shape[0]
     spatial = tuple(x.shape[x.ndim - sd:])
@@ -105,7 +95,7 @@ def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: 
     if flip is not None:
         if host_shortcuts(dev):
             # Only the mirrored samples get a mirrored copy.
-            fidx = torch.from_numpy(np.flatnonzero(flip.numpy()))
+            fidx = flip.nonzero().view(-1)
             src_n = n + fidx.numel()
         else:
             src_n = 2 * n  # no nonzero: it would make the host wait for the device
@@ -124,30 +114,42 @@ def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: 
         if src_n > n:
             mirrored = plain if fidx is None else plain.index_select(0, fidx)
             src[n:][inner].copy_(mirrored.flip(-1))
+    sample = torch.arange(n, device=dev)
+    last = offset[:, -1]
+    if flip is not None:
+        if fidx is None:
+            sample = sample + flip.long() * n
+        else:
+            sample[fidx] = torch.arange(n, n + fidx.numel(), device=dev)
+        last = torch.where(flip, (padded[-1] - size[-1]) - last, last)
     # Start of every output row: the sample's window corner plus a fixed grid over the folded
     # lead/channel dim and every spatial dim but the last.
     strides = [math.prod(padded[d + 1:]) for d in range(sd)]
     plane = math.prod(padded)
-    grid = _row_grid(m, plane, size[:-1], strides[:-1], dev).view(1, -1)
-    if host_shortcuts(dev):
-        # A few hundred integers: numpy on the host, instead of a dozen tensor dispatches.
-        corner_np = _corners_host(offset, None if flip is None else fidx, n, m * plane, padded[-1] - size[-1],
-                                  strides)
-        starts = torch.from_numpy(corner_np).view(n, 1) + grid
-    else:
-        sample = torch.arange(n, device=dev)
-        last = offset[:, -1]
-        if flip is not None:
-            sample = sample + flip.long() * n
-            last = torch.where(flip, (padded[-1] - size[-1]) - last, last)
-        corner = sample * (m * plane) + last
-        for d in range(sd - 1):
-            corner = corner + offset[:, d] * strides[d]
-        starts = corner.view(n, 1) + grid
+    corner = sample * (m * plane) + last
+    for d in range(sd - 1):
+        corner = corner + offset[:, d] * strides[d]
+    starts = corner.view(n, 1) + _row_grid(m, plane, size[:-1], strides[:-1], dev).view(1, -1)
+    if mirror_rows is not None:
+        starts = starts + _mirror_shift(mirror_rows, m, size, strides)
     flat = src.reshape(-1)
     runs = flat.as_strided((flat.numel() - size[-1] + 1, size[-1]), (1, 1))
     out = torch.index_select(runs, 0, starts.reshape(-1))
     return out.view(n, *mid, *size)
+
+
+def _mirror_shift(mirror: torch.Tensor, m: int, size: tuple[int, ...], strides: list[int]) -> torch.Tensor:
+    """Per sample, what mirroring along the axes before the last adds to each row's start:
+    (N, m * prod(size[:-1])) int64. Row i of a mirrored axis d reads row size[d] - 1 - i,
+    a shift of (size[d] - 1 - 2 i) * strides[d]."""
+    n, k = mirror.shape[0], len(size) - 1
+    total = torch.zeros((n, 1, *[1] * k), dtype=torch.int64, device=mirror.device)
+    for d in range(k):
+        step = (size[d] - 1 - 2 * torch.arange(size[d], device=mirror.device)) * strides[d]
+        shape = [n, 1, *[1] * k]
+        shape[d + 2] = size[d]
+        total = total + (mirror[:, d].long().view(n, 1) * step.view(1, -1)).view(shape)
+    return total.expand(n, m, *size[:-1]).reshape(n, -1)
 
 
 class RandomCrop(BatchTransform):
@@ -155,45 +157,105 @@ class RandomCrop(BatchTransform):
 
     Works on images (N, C, H, W) and volumes (N, C, D, H, W). The same window is cut from
     every image and mask field; masks are padded with 0, images with ``fill``; ``other``
-    fields pass through.
+    fields pass through. With ``pad_if_needed`` a sample smaller than ``size`` (after
+    ``padding``) along an axis is padded on both sides by the difference first, as
+    torchvision's ``RandomCrop(pad_if_needed=True)`` does; a list of samples of varying
+    sizes (a ragged batch) then becomes one batch tensor, each sample padded as it needs.
 
     Args:
         size: Output size: an int for every spatial dim, (h, w) or (d, h, w).
         padding: Added on both sides of every spatial dim (int), or per dim.
         fill: Constant for the images' padding.
+        pad_if_needed: Pad samples smaller than ``size`` instead of refusing them.
     """
 
-    def __init__(self, size: int | Sequence[int], padding: int | Sequence[int] = 0, fill: float = 0) -> None:
+    lists = True
+
+    def __init__(self, size: int | Sequence[int], padding: int | Sequence[int] = 0, fill: float = 0,
+                 pad_if_needed: bool = False) -> None:
         self.size = spatial_arg(size, "size", lowest=1)
         self.padding = spatial_arg(padding, "padding")
         self.fill = fill
+        self.pad_if_needed = bool(pad_if_needed)
 
-    def _geometry(self, batch: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        sd = batch.spatial_dims
+    def _pads(self, sd: int, spatial: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(size, padding on each side, padded size) per dim for one input size."""
         size = per_dim(self.size, sd, "size", "RandomCrop")
         pad = per_dim(self.padding, sd, "padding", "RandomCrop")
-        padded = tuple(s + 2 * p for s, p in zip(batch.spatial_size, pad, strict=True))
-        if any(c > s for c, s in zip(size, padded, strict=True)):
-            raise ValueError(f"RandomCrop size {size} is larger than the padded input {padded}; "
-                             "lower size or add padding")
+        if self.pad_if_needed:
+            # torchvision adds the shortfall on BOTH sides (the crop then starts anywhere in it).
+            pad = tuple(p + max(0, c - (s + 2 * p)) for p, c, s in zip(pad, size, spatial, strict=True))
+        padded = tuple(s + 2 * p for s, p in zip(spatial, pad, strict=True))
         return size, pad, padded
 
+    def _geometry(self, batch: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        size, pad, padded = self._pads(batch.spatial_dims, batch.spatial_size)
+        if any(c > s for c, s in zip(size, padded, strict=True)):
+            raise ValueError(f"RandomCrop size {size} is larger than the padded input {padded}; "
+                             "lower size, add padding or set pad_if_needed=True")
+        return size, pad, padded
+
+    def _list_geometry(self, batch: Batch) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """A ragged batch: the size, and each sample's padding and padded size."""
+        sd = batch.spatial_dims
+        pads, padded = [], []
+        for i, spatial in enumerate(batch.spatial_size):
+            size, pad, full = self._pads(sd, spatial)
+            if any(c > s for c, s in zip(size, full, strict=True)):
+                raise ValueError(f"RandomCrop size {size} is larger than sample {i} padded, {full}; lower size, "
+                                 "add padding or set pad_if_needed=True")
+            pads.append(pad)
+            padded.append(full)
+        return size, pads, padded
+
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """``offset``: each sample's window corner in the padded input, int64 (N, spatial dims)."""
+        """``offset``: each sample's window corner in its padded input, int64 (N, spatial dims)."""
+        if batch.ragged:
+            size, _, padded = self._list_geometry(batch)
+            # As ``keys.integers`` draws for a batch tensor, with each sample's own range.
+            u = batch.keys.uniform(0, batch.spatial_dims, dtype=torch.float64)
+            highs = torch.tensor([[p - s + 1 for p, s in zip(full, size, strict=True)] for full in padded],
+                                 dtype=torch.float64).to(u.device, non_blocking=True)
+            return {"offset": torch.minimum(torch.floor(u * highs), highs - 1).long()}
         size, _, padded = self._geometry(batch)
         return {"offset": batch.keys.integers(0, [p - s + 1 for p, s in zip(padded, size, strict=True)])}
 
-    def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None) -> Batch:
-        """Cut the windows at ``offset``; ``flip`` (bool (N,)) also mirrors along the last axis
-        in the same pass (``Compose`` fuses a following horizontal flip this way)."""
-        size, pad, _ = self._geometry(batch)
+    def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
+                    flip_dims: Sequence[int] = (-1,)) -> Batch:
+        """Cut the windows at ``offset``; ``flip`` (bool (N,) or (N, len(flip_dims))) also
+        mirrors each sample along ``flip_dims`` in the same pass (``Compose`` fuses a
+        following ``RandomFlip`` this way)."""
         sd = batch.spatial_dims
+        if batch.ragged:
+            return self._apply_list(batch, offset, flip)
+        size, pad, _ = self._geometry(batch)
+        flip = flip.view(-1, 1) if flip is not None and flip.ndim == 1 else flip
 
         def crop(fill: float):
             # The padding is written into the crop's source buffer, not materialised by F.pad.
-            return lambda x: keep_format(window_crop(x, offset, size, sd, flip, pad, fill), x)
+            if flip is None:
+                return lambda x: keep_format(window_crop(x, offset, size, sd, None, pad, fill), x)
+            return lambda x: keep_format(flip_window(x, offset, size, sd, flip, flip_dims, pad, fill), x)
 
         return batch.map(image=crop(self.fill), mask=crop(0))
+
+    def _apply_list(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None) -> Batch:
+        """Each group of samples is placed, padded, on one canvas; the windows are cut from it."""
+        size, pads, padded = self._list_geometry(batch)
+        sd, n = batch.spatial_dims, len(batch)
+        out = {}
+        for name in batch.names("image", "mask"):
+            xs = batch.fields[name]
+            lead_shape(xs, sd, name)
+            fill = self.fill if batch.kinds[name] == "image" else 0
+            parts = []
+            for rows in groups(padded):
+                src = canvas(xs, rows, sd, fill, place=pads,
+                             extent=[max(padded[r][d] for r in rows) for d in range(sd)])
+                sub = take({"offset": offset} | ({} if flip is None else {"flip": flip}), rows, n)
+                parts.append((rows, window_crop(src, sub["offset"], size, sd, sub.get("flip"))))
+            out[name] = scatter(parts, n)
+        return batch.replace(out)
 
 
 class RandomCropByLabel(BatchTransform):
@@ -202,8 +264,9 @@ class RandomCropByLabel(BatchTransform):
 
     Per sample, the centre is a voxel drawn uniformly among the label's foreground voxels
     (any channel > 0) or among its background voxels, on the device: the k-th voxel of the
-    chosen set, found through a cumulative sum, with k drawn per sample; no host sync and
-    no loop over samples. A sample without foreground (or without background) takes its
+    chosen set, with k drawn per sample, found in two levels (voxels counted per block of
+    1024, a running count over the blocks, then one block scanned); no host sync and no
+    loop over samples. A sample without foreground (or without background) takes its
     centre from the other set. The window is then shifted to lie inside the input (MONAI's
     centre correction), so the drawn voxel stays inside the window but is not always its
     centre. The same window is cut from every image and mask field; ``other`` passes through.
@@ -241,32 +304,143 @@ class RandomCropByLabel(BatchTransform):
         size = self._size(batch)
         spatial = batch.spatial_size
         lab = batch.fields[self.label]
-        n, voxels = lab.shape[0], math.prod(spatial)
-        if lab.dtype in (torch.uint16, torch.uint32, torch.uint64):
-            lab = lab.to(torch.int64)  # comparisons are not implemented for these
-        fg = (lab > 0).reshape(n, -1, voxels).any(1)  # (N, V)
-        count_fg = fg.sum(1)
-        count_bg = voxels - count_fg
         u = batch.keys.uniform(0, 2, dtype=torch.float64)
-        want_fg = u[:, 0] < self.pos / (self.pos + self.neg)
-        use_fg = torch.where(count_fg == 0, False, torch.where(count_bg == 0, True, want_fg))
-        chosen = torch.where(use_fg.view(n, 1), fg, ~fg)
-        count = torch.where(use_fg, count_fg, count_bg)
-        k = torch.minimum(torch.floor(u[:, 1] * count.to(torch.float64)).long(), count - 1)
-        # The k-th chosen voxel (0-based): the first position whose running count exceeds k.
-        running = torch.cumsum(chosen, dim=1, dtype=torch.int32 if voxels < 2**31 else torch.int64)
-        flat = torch.searchsorted(running, (k + 1).to(running.dtype).view(n, 1)).view(n)
+        flat, use_fg = draw_voxels(_foreground(lab, math.prod(spatial)), u, self.pos / (self.pos + self.neg))
         center = _unravel(flat, spatial)
         half = const([s // 2 for s in size], flat.device, torch.int64)
         top = const([s - c for s, c in zip(spatial, size, strict=True)], flat.device, torch.int64)
         offset = torch.minimum((center - half).clamp_(min=0), top)
         return {"center": center, "offset": offset, "foreground": use_fg}
 
-    def apply_batch(self, batch: Batch, offset: torch.Tensor, **_: torch.Tensor) -> Batch:
-        """Cut the windows at ``offset`` from every image and mask field."""
+    def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
+                    flip_dims: Sequence[int] = (-1,), **_: torch.Tensor) -> Batch:
+        """Cut the windows at ``offset`` from every image and mask field; ``flip`` (bool (N,)
+        or (N, len(flip_dims))) also mirrors each sample along ``flip_dims`` in the same pass
+        (``Compose`` fuses a following ``RandomFlip`` this way)."""
         size, sd = self._size(batch), batch.spatial_dims
-        crop = lambda x: keep_format(window_crop(x, offset, size, sd), x)  # noqa: E731
+        if flip is None:
+            crop = lambda x: keep_format(window_crop(x, offset, size, sd), x)  # noqa: E731
+        else:
+            flips = flip.view(-1, 1) if flip.ndim == 1 else flip
+            crop = lambda x: keep_format(flip_window(x, offset, size, sd, flips, flip_dims), x)  # noqa: E731
         return batch.map(image=crop, mask=crop)
+
+
+#: Windows of at least this many elements per sample are mirrored along the last axis after
+#: the cut, in place, sample by sample; smaller ones in the cut, from mirrored copies of their
+#: source (``window_crop``'s ``flip``). After the cut costs a pass over the mirrored windows
+#: (and a Python call per mirrored sample on the CPU); in the cut, a copy of every sample's
+#: whole source: several times more bytes for volumes (a 96^3 window of a 128^3 volume).
+MIRROR_AFTER_ELEMENTS = 1 << 16
+
+
+def mirror_last_(x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """Mirror the samples of ``x`` where ``flag`` (bool (N,)) along the last axis; in place on
+    the CPU (``x`` must be a tensor the caller owns), a new tensor on accelerators."""
+    if host_shortcuts(x.device):
+        for i in flag.nonzero().view(-1).tolist():
+            x[i].copy_(x[i].flip(-1))
+        return x
+    # No host sync (nonzero would wait for the device): every sample mirrored, the flagged kept.
+    return torch.where(flag.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)
+
+
+def flip_window(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: int, flip: torch.Tensor,
+                dims: Sequence[int], padding: Sequence[int] | None = None, fill: float = 0) -> torch.Tensor:
+    """``window_crop`` with each sample mirrored along ``dims`` (negative spatial axes) where
+    ``flip`` (bool (N, len(dims))) is set: bit-identical to the crop, then ``torch.flip``.
+
+    Mirroring along an axis before the last only reverses the order the window's rows are
+    read in (the same pass); the last axis is mirrored in the cut for small windows and
+    after it for large ones (``MIRROR_AFTER_ELEMENTS``).
+    """
+    dims = tuple(dims)
+    rows = None
+    if any(d != -1 for d in dims):
+        # Column j of ``rows`` is spatial axis j (all but the last); axes not in dims stay False.
+        cols = [flip[:, dims.index(d - sd)] if d - sd in dims else torch.zeros_like(flip[:, 0])
+                for d in range(sd - 1)]
+        rows = torch.stack(cols, 1)
+    last = flip[:, dims.index(-1)] if -1 in dims else None
+    per_sample = math.prod(x.shape[1:x.ndim - sd]) * math.prod(size)
+    if last is None or per_sample < MIRROR_AFTER_ELEMENTS:
+        return window_crop(x, offset, size, sd, last, padding, fill, rows)
+    out = window_crop(x, offset, size, sd, None, padding, fill, rows)
+    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        out = out.clone()  # mirrored in place below: never the caller's input
+    return mirror_last_(out, last)
+
+
+#: Voxels per block of the label draw: a multiple of 8, and at most 8 * 255, so that 0/1
+#: bytes summed 8 at a time as int64 words never carry from one byte into the next.
+_BLOCK = 1024
+
+
+def _foreground(lab: torch.Tensor, voxels: int) -> torch.Tensor:
+    """(N, voxels) bool: where any channel of the label ``(N, ..., *spatial)`` is > 0."""
+    flat = lab.reshape(lab.shape[0], -1, voxels)
+    if lab.is_floating_point() or lab.is_complex() or lab.dtype.is_signed:
+        pos = flat > 0
+    else:
+        # Unsigned (and bool): > 0 is != 0, and the cast to bool is a vectorised copy on the
+        # CPU, about 10x faster than the comparison.
+        pos = flat.bool()
+    return pos[:, 0] if pos.shape[1] == 1 else pos.any(1)
+
+
+def _block_counts(fg: torch.Tensor) -> torch.Tensor:
+    """(N, nb * _BLOCK) bool -> the True voxels per block, int64 (N, nb).
+
+    The 0/1 bytes are summed 8 at a time as int64 words (each byte lane of a block sums at
+    most _BLOCK / 8 ones, so no carry), then the 8 lanes of each block's total are added:
+    about 40x faster on the CPU than ``sum`` over bools, which converts every element.
+    """
+    n = fg.shape[0]
+    words = fg.view(torch.uint8).view(n, -1, _BLOCK // 8, 8).view(torch.int64)  # (N, nb, _BLOCK / 8, 1)
+    return words.sum((-2, -1)).view(torch.uint8).view(n, -1, 8).sum(-1)
+
+
+def draw_voxels(fg: torch.Tensor, u: torch.Tensor, p_fg: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample, a voxel drawn uniformly among its foreground (with probability ``p_fg``)
+    or its background voxels: ``(flat voxel index (N,), foreground (N,) bool)``.
+
+    ``fg`` is (N, V) bool; ``u`` (N, 2) float64 uniforms: ``u[:, 0] < p_fg`` picks the set
+    (a sample without foreground, or without background, takes the other set), and the
+    voxel is the k-th of its set, ``k = floor(u[:, 1] * count)``. The k-th is found in two
+    levels: the running count of the set's voxels over blocks of ``_BLOCK`` finds the block
+    that holds it, a running count inside that block finds the voxel. The result equals a
+    running count over every voxel (the plain way, with V-long cumulative sums per sample,
+    30-50x slower on the CPU). On the device, no host sync, no loop over samples.
+    """
+    n, voxels = fg.shape
+    nb = -(-voxels // _BLOCK)
+    pad = nb * _BLOCK - voxels
+    if pad:
+        fg = torch.nn.functional.pad(fg, (0, pad))  # padding counts as neither set (see below)
+    counts = _block_counts(fg)  # (N, nb) foreground voxels per block
+    count_fg = counts.sum(1)
+    count_bg = voxels - count_fg
+    want_fg = u[:, 0] < p_fg
+    use_fg = torch.where(count_fg == 0, False, torch.where(count_bg == 0, True, want_fg))
+    count = torch.where(use_fg, count_fg, count_bg)
+    k = torch.minimum(torch.floor(u[:, 1] * count.to(torch.float64)).long(), count - 1)
+    background = _BLOCK - counts
+    if pad:
+        background[:, -1] -= pad  # the padding is not background
+    per_block = torch.where(use_fg.view(n, 1), counts, background)
+    running = torch.cumsum(per_block, 1)
+    # The block holding the k-th voxel (0-based): the first whose running count exceeds k.
+    blk = torch.searchsorted(running, (k + 1).view(n, 1))
+    before = (running.gather(1, blk) - per_block.gather(1, blk)).view(n)
+    blk = blk.view(n)
+    inner = fg.view(n * nb, _BLOCK).index_select(0, torch.arange(n, device=fg.device) * nb + blk)
+    chosen = inner == use_fg.view(n, 1)
+    # Within the block, the (k - before)-th chosen voxel. A background draw in the last block
+    # never reaches its padding: the padding sits after the block's real voxels, and
+    # k - before is below their count.
+    inside = torch.cumsum(chosen, 1, dtype=torch.int32)
+    pos = torch.searchsorted(inside, (k - before + 1).to(torch.int32).view(n, 1)).view(n)
+    return blk * _BLOCK + pos, use_fg
 
 
 def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -279,4 +453,4 @@ def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return torch.stack(coords[::-1], dim=1)
 
 
-__all__ = ["RandomCrop", "RandomCropByLabel", "window_crop"]
+__all__ = ["RandomCrop", "RandomCropByLabel", "draw_voxels", "flip_window", "mirror_last_", "window_crop"]

@@ -6,10 +6,12 @@ fields pass through.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
+from lightning_fastdata import augment_crop
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
@@ -19,6 +21,7 @@ from lightning_fastdata.augment_base import (
     probability,
     replace_rows,
 )
+from lightning_fastdata.augment_crop import flip_window, mirror_last_
 
 
 def _spatial_dims_arg(dims: int | Sequence[int], name: str, op: str) -> tuple[int, ...]:
@@ -66,14 +69,26 @@ class RandomFlip(BatchTransform):
         return {"flip": batch.keys.bernoulli(0, self.p, len(self.dims))}
 
     def apply_batch(self, batch: Batch, flip: torch.Tensor) -> Batch:
-        """Mirror each sample along the axes where ``flip`` is set."""
+        """Mirror each sample along the axes where ``flip`` is set, every axis in one pass."""
         _check_axes(self.dims, batch, type(self).__name__)
+        sd, spatial = batch.spatial_dims, batch.spatial_size
+        corner = torch.zeros(len(batch), sd, dtype=torch.int64, device=batch.device)
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            out = x.contiguous()
-            for i, d in enumerate(self.dims):
-                out = flip_samples(out, flip[:, i], d)
-            return keep_format(out, x)
+            if math.prod(x.shape[1:]) < augment_crop.MIRROR_AFTER_ELEMENTS:
+                # Small samples (short rows): whole-sample flips, one axis at a time, cost less.
+                out = x.contiguous()
+                for i, d in enumerate(self.dims):
+                    out = flip_samples(out, flip[:, i], d)
+                return keep_format(out, x)
+            if self.dims != (-1,):
+                # A window of the whole sample whose rows are read in mirrored order along the
+                # mirrored axes (the last axis mirrored after): one copy, whatever the axes.
+                return keep_format(flip_window(x, corner, spatial, sd, flip, self.dims), x)
+            if host_shortcuts(x.device):
+                # Only the last axis: a copy, then the mirrored samples reversed in place.
+                return keep_format(mirror_last_(x.clone(memory_format=torch.contiguous_format), flip[:, 0]), x)
+            return keep_format(flip_samples(x.contiguous(), flip[:, 0], -1), x)
 
         return batch.map(image=run, mask=run)
 

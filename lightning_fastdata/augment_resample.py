@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from lightning_fastdata._pool import default_threads, map_runs
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
@@ -23,14 +25,17 @@ from lightning_fastdata.augment_base import (
     const,
     fill_values,
     float_range,
+    host_shortcuts,
     keep_format,
     spatial_arg,
     to_input_dtype,
 )
+from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter, take
 
 
 def _resample_taps(start: torch.Tensor, length: torch.Tensor, in_size: int, out_size: int, antialias: bool,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype, target: torch.Tensor | None = None, first: torch.Tensor | None = None,
+                   widest: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample bilinear resampling of the window [start, start+length) to ``out_size`` pixels.
 
     Returns ``(index, weight)``, each (N, out_size, K): output pixel i of sample n is
@@ -39,22 +44,34 @@ def _resample_taps(start: torch.Tensor, length: torch.Tensor, in_size: int, out_
     ``resize``) for an input of ``length`` pixels; without antialias the triangle is not
     widened, which is plain bilinear interpolation. K is a bound known on the host (no
     device sync); taps past a pixel's window get weight 0.
+
+    ``target`` (N,) resizes each window to ``target[n]`` pixels (default ``out_size``) of
+    which the ``out_size`` starting at ``first[n]`` (default 0) are computed: a crop of the
+    resized window, pixel for pixel what resizing then cropping gives. Pixels past a
+    sample's ``target`` get weight 0. ``widest`` bounds ``length / target`` (default
+    ``in_size / out_size``).
     """
     dev = start.device
-    widest = max(in_size / out_size, 1.0) if antialias else 1.0
+    if widest is None:
+        widest = in_size / out_size
+    widest = max(widest, 1.0) if antialias else 1.0
     k = math.ceil(2 * widest) + 1
     length = length.to(dtype).view(-1, 1)
-    scale = length / out_size
+    scale = length / (out_size if target is None else target.to(dtype).view(-1, 1))
     widen = (scale >= 1.0) if antialias else torch.zeros_like(scale, dtype=torch.bool)
     support = torch.where(widen, scale, torch.ones_like(scale))
     invscale = torch.where(widen, 1.0 / scale, torch.ones_like(scale))
-    center = scale * (torch.arange(out_size, device=dev, dtype=dtype).view(1, -1) + 0.5)
+    out_pos = torch.arange(out_size, device=dev, dtype=dtype).view(1, -1)
+    if first is not None:
+        out_pos = out_pos + first.to(dtype).view(-1, 1)
+    center = scale * (out_pos + 0.5)
     xmin = torch.trunc(center - support + 0.5).clamp_(min=0)
     xmax = torch.minimum(torch.trunc(center + support + 0.5), length)
     pos = xmin.unsqueeze(-1) + torch.arange(k, device=dev, dtype=dtype)  # (N, out, K), local
     wts = (1.0 - ((pos - center.unsqueeze(-1) + 0.5) * invscale.unsqueeze(-1)).abs()).clamp_(min=0)
     wts = torch.where(pos < xmax.unsqueeze(-1), wts, torch.zeros_like(wts))
-    wts = wts / wts.sum(-1, keepdim=True)
+    # Only pixels past a sample's target (padding of a ragged batch) can sum to 0.
+    wts = wts / wts.sum(-1, keepdim=True).clamp_(min=1e-30)
     index = (pos + start.to(dtype).view(-1, 1, 1)).clamp_(max=in_size - 1).long()  # zero-weight taps clamp
     return index, wts
 
@@ -83,14 +100,6 @@ def _resample_rows(x: torch.Tensor, index: torch.Tensor, wts: torch.Tensor | Non
     return out  # type: ignore[return-value]
 
 
-def _mirror_taps(taps: torch.Tensor, flip: torch.Tensor | None) -> torch.Tensor:
-    """Per-sample taps (N, out, K) with the output order reversed where ``flip``: output pixel i
-    of a flipped sample is computed exactly as pixel out - 1 - i of the unflipped one."""
-    if flip is None:
-        return taps
-    return torch.where(flip.view(-1, 1, 1), taps.flip(1), taps)
-
-
 def _nearest_taps(start: torch.Tensor, length: torch.Tensor, out_size: int) -> torch.Tensor:
     """torch's ``interpolate(mode="nearest")`` source pixel per output pixel: (N, out_size, 1).
 
@@ -102,6 +111,58 @@ def _nearest_taps(start: torch.Tensor, length: torch.Tensor, out_size: int) -> t
     return (src + start.view(-1, 1)).unsqueeze(-1)
 
 
+def resize_window(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
+                  width: torch.Tensor, size: Sequence[int], antialias: bool, target: torch.Tensor | None = None,
+                  first: torch.Tensor | None = None, widest: Sequence[float] | None = None) -> torch.Tensor:
+    """Each sample's window of ``x`` (N, ..., H, W) resized to ``size`` (oh, ow) as
+    ``F.resized_crop`` does (bilinear, antialiased when downscaling if ``antialias``),
+    all samples at once. ``target`` (N, 2) resizes window n to ``target[n]`` and keeps the
+    ``size`` pixels from ``first[n]`` (N, 2) on: resize then crop; ``widest`` (2 floats)
+    bounds ``window / target`` per axis."""
+    n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
+    oh, ow = size
+    dt = compute_dtype(x)
+
+    def col(t: torch.Tensor | None, j: int) -> torch.Tensor | None:
+        return None if t is None else t[:, j]
+
+    rows = _resample_taps(top, height, h, oh, antialias, dt, col(target, 0), col(first, 0),
+                          None if widest is None else widest[0])
+    cols = _resample_taps(left, width, w, ow, antialias, dt, col(target, 1), col(first, 1),
+                          None if widest is None else widest[1])
+    flat = x.reshape(n, -1, h, w)
+    # Rows, then columns through a transpose: both passes copy contiguous rows.
+    tmp = _resample_rows(flat, *rows, dt).transpose(2, 3).contiguous()
+    out = _resample_rows(tmp, *cols, dt).transpose(2, 3)
+    return keep_format(to_input_dtype(out, x).reshape(*x.shape[:-2], oh, ow), x)
+
+
+def interpolate_image(x: torch.Tensor, size: Sequence[int], antialias: bool) -> torch.Tensor:
+    """One image (or a batch of one size) ``(..., C, H, W)`` resized to ``size`` as
+    torchvision's ``resize`` does: ``F.interpolate`` (bilinear), uint8 natively on the CPU,
+    other integers through float32 with rounding."""
+    size = (int(size[0]), int(size[1]))
+    if tuple(x.shape[-2:]) == size:
+        return x  # torchvision returns the input unchanged too
+    flat = x.reshape(-1, *x.shape[-3:])
+    native = x.dtype in (torch.float32, torch.float64) or (x.dtype == torch.uint8 and x.device.type == "cpu")
+    y = F.interpolate(flat if native else flat.to(torch.float32), size=size, mode="bilinear",
+                      align_corners=False, antialias=antialias)
+    if not native:
+        y = to_input_dtype(y, x)
+    return y.reshape(*x.shape[:-2], *size)
+
+
+def nearest_resize(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """``x`` (..., H, W) resized nearest-neighbour as ``interpolate(mode="nearest")`` picks
+    pixels (exact for any dtype, as torchvision resizes a ``Mask``)."""
+    h, w = x.shape[-2], x.shape[-1]
+    zero = torch.zeros(1, dtype=torch.long, device=x.device)
+    rows = _nearest_taps(zero, torch.full_like(zero, h), int(size[0])).view(-1)
+    cols = _nearest_taps(zero, torch.full_like(zero, w), int(size[1])).view(-1)
+    return x.index_select(-2, rows).index_select(-1, cols)
+
+
 def _ratio_range(ratio: Sequence[float]) -> tuple[float, float]:
     """An aspect-ratio range ``0 < min <= max``."""
     out = float_range(ratio, "ratio", lower=0.0)
@@ -110,7 +171,7 @@ def _ratio_range(ratio: Sequence[float]) -> tuple[float, float]:
     return out
 
 
-def box_attempts(u: torch.Tensor, area: int, scale: Sequence[float], ratio: Sequence[float]
+def box_attempts(u: torch.Tensor, area: int | torch.Tensor, scale: Sequence[float], ratio: Sequence[float]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """torchvision's 10 box attempts per sample from float64 uniforms ``u`` (n, 10, >=2).
 
@@ -118,15 +179,16 @@ def box_attempts(u: torch.Tensor, area: int, scale: Sequence[float], ratio: Sequ
     area uniform in ``scale`` x ``area`` and an aspect ratio log-uniform in ``ratio``; which
     of the two is the height is the caller's (torchvision differs between ops).
     """
-    target = float(area) * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    target = (float(area) if isinstance(area, int) else area) * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(lo + (hi - lo) * u[..., 1])
     return torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
 
 
-def first_valid_box(u: torch.Tensor, ok: torch.Tensor, h: torch.Tensor, w: torch.Tensor, height: int,
-                    width: int) -> tuple[torch.Tensor, ...]:
-    """Each sample's first valid attempt and its position from ``u[..., 2:4]``: (top, left, h, w, any valid)."""
+def first_valid_box(u: torch.Tensor, ok: torch.Tensor, h: torch.Tensor, w: torch.Tensor, height: int | torch.Tensor,
+                    width: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each sample's first valid attempt and its position from ``u[..., 2:4]``: (top, left, h, w, any valid);
+    ``height`` and ``width`` are the input's, or each sample's as (N,) tensors."""
     first = torch.argmax(ok.to(torch.uint8), dim=1, keepdim=True)
 
     def pick(t: torch.Tensor) -> torch.Tensor:
@@ -143,12 +205,22 @@ def _require_2d(batch: Batch, op: str) -> None:
         raise ValueError(f"{op} works on 2-D images (N, C, H, W); the batch has {batch.spatial_dims} spatial dims")
 
 
+def _sizes(batch: Batch, device: torch.device) -> tuple[int | torch.Tensor, int | torch.Tensor]:
+    """(height, width) of a 2-D batch: ints, or per sample float64 (N,) tensors for a ragged one."""
+    if not batch.ragged:
+        return batch.spatial_size
+    hw = torch.tensor(batch.spatial_size, dtype=torch.float64).to(device, non_blocking=True)
+    return hw[:, 0], hw[:, 1]
+
+
 class RandomResizedCrop(BatchTransform):
     """Crop a random area and aspect ratio of each sample and resize it to ``size`` (2-D).
 
     Parameters follow ``torchvision.transforms.v2.RandomResizedCrop`` (10 attempts, then a
-    central crop); images are resized as ``F.resized_crop`` with bilinear interpolation,
-    masks with nearest-neighbour (as torchvision resizes a ``Mask``), with the same box.
+    central crop), drawn from each sample's own size; images are resized as
+    ``F.resized_crop`` with bilinear interpolation, masks with nearest-neighbour (as
+    torchvision resizes a ``Mask``), with the same box. A list of images of varying sizes
+    (a ragged batch) becomes one batch tensor.
 
     Args:
         size: Output (h, w), or an int for a square.
@@ -156,6 +228,8 @@ class RandomResizedCrop(BatchTransform):
         ratio: Range of the crop's aspect ratio (w / h), 0 < min <= max.
         antialias: Antialias images when downscaling, as torchvision's default.
     """
+
+    lists = True
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0), antialias: bool = True) -> None:
@@ -172,63 +246,107 @@ class RandomResizedCrop(BatchTransform):
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-sample crop boxes ``top``, ``left``, ``height``, ``width``: int64 (N,)."""
         _require_2d(batch, "RandomResizedCrop")
-        height, width = batch.spatial_size
         u = batch.keys.uniform(0, 40, dtype=torch.float64).view(-1, 10, 4)
-        w, h = box_attempts(u, height * width, self.scale, self.ratio)
-        ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+        height, width = _sizes(batch, u.device)
+        area = height * width
+        w, h = box_attempts(u, area if isinstance(area, int) else area.view(-1, 1), self.scale, self.ratio)
+        hh, ww = (height, width) if isinstance(height, int) else (height.view(-1, 1), width.view(-1, 1))
+        ok = (w > 0) & (w <= ww) & (h > 0) & (h <= hh)
         top, left, h, w, any_ok = first_valid_box(u, ok, h, w, height, width)
-        # torchvision's fallback after 10 failed attempts: the central crop of clamped ratio.
-        in_ratio = width / height
-        if in_ratio < self.ratio[0]:
-            fw, fh = width, int(round(width / self.ratio[0]))
-        elif in_ratio > self.ratio[1]:
-            fw, fh = int(round(height * self.ratio[1])), height
+        fh, fw = self._fallback(height, width)
+        h = torch.where(any_ok, h, fh)
+        w = torch.where(any_ok, w, fw)
+        if isinstance(height, int):
+            ftop, fleft = (height - int(fh)) // 2, (width - int(fw)) // 2
         else:
-            fw, fh = width, height
-        h = torch.where(any_ok, h, torch.full_like(h, fh))
-        w = torch.where(any_ok, w, torch.full_like(w, fw))
-        top = torch.where(any_ok, top, torch.full_like(top, (height - fh) // 2))
-        left = torch.where(any_ok, left, torch.full_like(left, (width - fw) // 2))
+            ftop = torch.div(height - fh, 2, rounding_mode="floor")
+            fleft = torch.div(width - fw, 2, rounding_mode="floor")
+        top = torch.where(any_ok, top, ftop)
+        left = torch.where(any_ok, left, fleft)
         return {"top": top.long(), "left": left.long(), "height": h.long(), "width": w.long()}
 
+    def _fallback(self, height: int | torch.Tensor, width: int | torch.Tensor) -> tuple[Any, Any]:
+        """torchvision's box after 10 failed attempts: the central crop of clamped ratio (h, w)."""
+        lo, hi = self.ratio
+        if isinstance(height, int):
+            in_ratio = width / height
+            if in_ratio < lo:
+                return float(round(width / lo)), float(width)
+            if in_ratio > hi:
+                return float(height), float(round(height * hi))
+            return float(height), float(width)
+        in_ratio = width / height
+        fh = torch.where(in_ratio < lo, torch.round(width / lo), height)
+        fw = torch.where(in_ratio > hi, torch.round(height * hi), width)
+        return fh, fw
+
     def apply_batch(self, batch: Batch, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
-                    width: torch.Tensor, flip: torch.Tensor | None = None) -> Batch:
-        """``F.resized_crop`` of each sample with its own box, all at once; ``flip`` (bool (N,))
-        also mirrors those samples left-right at no cost (``Compose`` fuses a following
-        horizontal flip this way): their column taps are taken in reverse order, which is
-        exactly the mirrored output."""
+                    width: torch.Tensor) -> Batch:
+        """``F.resized_crop`` of each sample with its own box, all at once."""
         _require_2d(batch, "RandomResizedCrop")
+        if batch.ragged:
+            return self._apply_list(batch, top, left, height, width)
 
         def image(x: torch.Tensor) -> torch.Tensor:
-            # The taps once per batch (a few dozen small ops), then the resampling in chunks.
-            h, w = x.shape[-2:]
-            dt = compute_dtype(x)
-            rows = _resample_taps(top, height, h, self.size[0], self.antialias, dt)
-            index, wts = _resample_taps(left, width, w, self.size[1], self.antialias, dt)
-            cols = (_mirror_taps(index, flip), _mirror_taps(wts, flip))
-            return keep_format(chunked(self._image, x, *rows, *cols), x)
+            if host_shortcuts(x.device):
+                return keep_format(self._image_loop(x, top, left, height, width), x)
+            return keep_format(chunked(self._image, x, top, left, height, width), x)
 
-        def mask(x: torch.Tensor) -> torch.Tensor:
-            rows = _nearest_taps(top, height, self.size[0])
-            cols = _mirror_taps(_nearest_taps(left, width, self.size[1]), flip)
-            flat = x.reshape(x.shape[0], -1, *x.shape[-2:])
-            tmp = _resample_rows(flat, rows, None, None).transpose(2, 3).contiguous()
-            out = _resample_rows(tmp, cols, None, None).transpose(2, 3)
-            return keep_format(out.reshape(*x.shape[:-2], *self.size), x)
+        return batch.map(image=image, mask=lambda x: self._mask(x, top, left, height, width))
 
-        return batch.map(image=image, mask=mask)
+    def _mask(self, x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
+              width: torch.Tensor) -> torch.Tensor:
+        rows = _nearest_taps(top, height, self.size[0])
+        cols = _nearest_taps(left, width, self.size[1])
+        flat = x.reshape(x.shape[0], -1, *x.shape[-2:])
+        tmp = _resample_rows(flat, rows, None, None).transpose(2, 3).contiguous()
+        out = _resample_rows(tmp, cols, None, None).transpose(2, 3)
+        return keep_format(out.reshape(*x.shape[:-2], *self.size), x)
 
-    def _image(self, x: torch.Tensor, row_index: torch.Tensor, row_wts: torch.Tensor, col_index: torch.Tensor,
-               col_wts: torch.Tensor) -> torch.Tensor:
-        n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
-        oh, ow = self.size
-        dt = compute_dtype(x)
-        rows, cols = (row_index, row_wts), (col_index, col_wts)
-        flat = x.reshape(n, -1, h, w)
-        # Rows, then columns through a transpose: both passes copy contiguous rows.
-        tmp = _resample_rows(flat, *rows, dt).transpose(2, 3).contiguous()
-        out = _resample_rows(tmp, *cols, dt).transpose(2, 3)
-        return keep_format(to_input_dtype(out, x).reshape(*x.shape[:-2], oh, ow), x)
+    def _image(self, x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
+               width: torch.Tensor) -> torch.Tensor:
+        return resize_window(x, top, left, height, width, self.size, self.antialias)
+
+    def _apply_list(self, batch: Batch, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
+                    width: torch.Tensor) -> Batch:
+        """A ragged batch: one batch tensor (N, ..., oh, ow) per image and mask field.
+
+        On the CPU each image's box is resized by torch's own kernel, as for a batch tensor;
+        elsewhere the samples are grouped onto padded canvases and resampled together, with
+        the boxes on the device (no sync).
+        """
+        n = len(batch)
+        params = {"top": top, "left": left, "height": height, "width": width}
+        groups_ = groups(batch.spatial_size)
+        out = {}
+        for name in batch.names("image", "mask"):
+            xs = batch.fields[name]
+            lead_shape(xs, 2, name)
+            if batch.kinds[name] == "image" and host_shortcuts(xs[0].device):
+                out[name] = self._image_loop(xs, top, left, height, width)
+                continue
+            fn = self._image if batch.kinds[name] == "image" else self._mask
+            parts = [(rows, fn(canvas(xs, rows, 2), **take(params, rows, n))) for rows in groups_]
+            out[name] = scatter(parts, n)
+        return batch.replace(out)
+
+    def _image_loop(self, xs: Sequence[torch.Tensor], top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
+                    width: torch.Tensor) -> torch.Tensor:
+        """The CPU: each box resized by torch's kernel, as torchvision resizes (uint8 natively),
+        one image at a time: measured 4.5x (uint8) and 1.8x (float32) faster there than the
+        batched taps for 128 boxes of 256^2 images to 224^2. The images are shared among the
+        CPU pool's threads (torch's budget, ``torch.get_num_threads()``)."""
+        boxes = torch.stack([top, left, height, width], 1).tolist()  # CPU values: no sync
+        out = xs[0].new_empty((len(xs), *xs[0].shape[:-2], *self.size))
+
+        def run(rows: range) -> list[None]:
+            for i in rows:
+                t, lft, h, w = boxes[i]
+                out[i] = interpolate_image(xs[i][..., t:t + h, lft:lft + w], self.size, self.antialias)
+            return []
+
+        map_runs(run, [h * w for _, _, h, w in boxes], default_threads())
+        return out
 
 
 def _inverse_affine(angle: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor, scale: torch.Tensor,
@@ -515,4 +633,5 @@ class RandomRotation(RandomAffine):
         return super().apply_batch(batch, angle=-angle, tx=zero, ty=zero, scale=one, shear_x=zero, shear_y=zero)
 
 
-__all__ = ["RandomAffine", "RandomResizedCrop", "RandomRotation"]
+__all__ = ["RandomAffine", "RandomResizedCrop", "RandomRotation", "interpolate_image", "nearest_resize",
+           "resize_window"]

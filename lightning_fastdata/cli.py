@@ -216,13 +216,22 @@ def describe_resources(r: Resources) -> str:
             f"local ranks: {r.local_world_size}")
 
 
+def _describe_field(info: Any) -> str:
+    name = info.name or "sample"
+    if info.encoding:
+        return f"{name}: {info.encoding}, {fmt_bytes(info.row_nbytes)} per sample on average"
+    if info.ragged:
+        return (f"{name}: {np.dtype(info.dtype).name}, ragged {len(info.shape)}-D, "
+                f"{fmt_bytes(info.row_nbytes)} per sample on average")
+    return f"{name}: {np.dtype(info.dtype).name}{list(info.shape)}"
+
+
 def describe_stores(dm: OptimizedDataModule) -> list[dict[str, Any]]:
     """Per split: samples, bytes, and where the cache lives."""
     out = []
     for split, store in dm.stores.items():
         out.append({"split": split, "samples": len(store), "nbytes": store.nbytes,
-                    "fields": [f"{i.name or 'sample'}: {np.dtype(i.dtype).name}{list(i.shape)}"
-                               for i in store.infos],
+                    "fields": [_describe_field(i) for i in store.infos],
                     "path": str(store.path) if store.path else None})
     for split, src in dm.raw_sources.items():
         out.append({"split": split, "samples": len(src), "nbytes": None, "fields": [],

@@ -23,6 +23,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import quiet_shared_hook_warnings
 from lightning_fastdata.augment import Batch, BatchTransform
+from lightning_fastdata.decode import decode_jpegs
+from lightning_fastdata.encode import check_settings
 from lightning_fastdata.graphs import GraphedAugment
 from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import (
@@ -36,6 +38,7 @@ from lightning_fastdata.loaders import (
 )
 from lightning_fastdata.placement import ChunkedSource, HostSource, Placement, Sharing, place
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
+from lightning_fastdata.ragged import RaggedBatch
 from lightning_fastdata.seeding import WorkerSeeding
 from lightning_fastdata.store import (
     Store,
@@ -60,6 +63,8 @@ _NOT_CACHED = frozenset({
     "batch_size", "eval_batch_size", "strategy", "vram_fraction", "shared_memory", "num_workers", "pin_memory",
     "prefetch_factor", "persistent_workers", "shuffle", "drop_last", "seed", "train_augment", "eval_augment",
     "device", "progress", "cache_dir", "cache_key", "augment_field", "store", "field_kinds", "augment_ahead",
+    # what changes the stored layout enters the fingerprint through build_store (only what matters)
+    "ragged", "encode", "jpeg_quality", "max_side",
     "cuda_graphs",
 })
 
@@ -116,6 +121,17 @@ class OptimizedDataModule(L.LightningDataModule):
             augmented ahead of the training step in a background thread (on CUDA, on a side
             stream): the next batch is ready when the step ends. 0 does that work in the
             training loop's thread, between steps.
+        ragged: Fields whose shape may change from sample to sample (e.g. images of
+            varying sizes), by name; each is stored end to end with offsets and shapes,
+            and reaches the augmentation (and, without a size-fixing op, the model) as a
+            list of tensors. The number of dimensions and the dtype may not change.
+        encode: Field -> "jpeg": store that field as JPEG bytes (encoded once, at store
+            time; a source that yields JPEG bytes is stored as it is), decoded in batches
+            where the batch is used, into a list of uint8 (C, H, W) tensors. Implies
+            ``ragged`` for the field.
+        jpeg_quality: Quality of store-time JPEG encoding, 1-100.
+        max_side: Longest side of an encoded image, capped at store time (antialiased
+            resize, aspect kept); ``None`` keeps the source's size.
         cuda_graphs: On CUDA, capture the augmentation of each fixed-shape batch in a CUDA
             graph once and replay it (one launch instead of dozens; the same output, bit for
             bit); batches of other shapes, ragged fields and ops from outside this package
@@ -146,6 +162,10 @@ class OptimizedDataModule(L.LightningDataModule):
         field_kinds: dict[str, Literal["image", "mask", "other"]] | None = None,
         augment_field: str | None = None,
         augment_ahead: int = 1,
+        ragged: list[str] | None = None,
+        encode: dict[str, Literal["jpeg"]] | None = None,
+        jpeg_quality: int = 90,
+        max_side: int | None = None,
         cuda_graphs: bool = True,
         store: bool = True,
         device: str | None = None,
@@ -187,6 +207,13 @@ class OptimizedDataModule(L.LightningDataModule):
         if augment_field is not None and field_kinds is not None:
             raise ValueError("give field_kinds or augment_field, not both "
                              "(augment_field=X is field_kinds={X: 'image'})")
+        if ragged is not None and (isinstance(ragged, str) or not isinstance(ragged, (list, tuple)) or not all(
+                isinstance(r, str) for r in ragged)):
+            raise ValueError(f"ragged must be a list of field names, got {ragged!r}")
+        encode = check_settings(encode, jpeg_quality, max_side)
+        if not store and (ragged or encode):
+            raise ValueError(f"ragged={ragged!r} and encode={encode!r} describe how fields are stored; they need "
+                             "store=True")
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.strategy = strategy
@@ -206,6 +233,10 @@ class OptimizedDataModule(L.LightningDataModule):
         self.field_kinds = dict(field_kinds) if field_kinds is not None else None
         self.augment_field = augment_field
         self.augment_ahead = augment_ahead
+        self.ragged = list(ragged) if ragged is not None else None
+        self.encode = encode or None
+        self.jpeg_quality = jpeg_quality
+        self.max_side = max_side
         self.cuda_graphs = cuda_graphs
         self._graphed: dict[int, GraphedAugment] = {}
         self.use_store = store
@@ -293,7 +324,9 @@ class OptimizedDataModule(L.LightningDataModule):
             return build_store(src, self.static_transform, self.cache_dir, name=split, cache_key=self.cache_key,
                                progress=self.progress and D.local_rank() == 0, verify=verify,
                                namespace=f"{type(self).__module__}.{type(self).__qualname__}",
-                               config=self._cache_config(), files=self.source_files(split), warn=rank_zero_warn)
+                               config=self._cache_config(), files=self.source_files(split), warn=rank_zero_warn,
+                               ragged=self.ragged, encode=self.encode, jpeg_quality=self.jpeg_quality,
+                               max_side=self.max_side)
         except UnstorableSampleError as e:
             rank_zero_warn(f"lightning_fastdata: the '{split}' split cannot be stored ({e}); "
                            "loading it per sample in DataLoader workers instead")
@@ -555,8 +588,10 @@ class OptimizedDataModule(L.LightningDataModule):
             loader = self._loaders.get(split)
             if loader is not None:
                 loader.consumed(batch)  # resume counts batches used, not those fetched ahead
-            if augment is None or batch.prepared:
+            if batch.prepared:
                 out = batch.structure()
+            elif augment is None:
+                out = unflatten(batch.spec, self.unragged(batch))
             else:
                 out = self.augment_batch(batch, augment, split)
         elif augment is not None:
@@ -583,6 +618,9 @@ class OptimizedDataModule(L.LightningDataModule):
         Every random parameter of a sample is a pure function of (seed, epoch, the sample's
         global index, the op's position): the same whatever the batch, rank or strategy.
 
+        A batch its loader augmented ahead (``batch.prepared``, see ``augment_ahead``) is
+        returned as it is.
+
         Args:
             batch: A batch from one of this module's loaders (on the training device).
             augment: The transform (default: ``train_augment`` for "train", else ``eval_augment``).
@@ -593,13 +631,33 @@ class OptimizedDataModule(L.LightningDataModule):
                             f"{type(batch).__name__}")
         if augment is None:
             augment = self.train_augment if split == "train" else self.eval_augment
+        if batch.prepared:
+            return batch.structure()  # a prepared batch was augmented by its loader already
         if augment is None:
-            return batch.structure()
+            return unflatten(batch.spec, self.unragged(batch))
         return unflatten(batch.spec, self._augmented_leaves(batch, augment, split))
+
+    @staticmethod
+    def unragged(batch: FastBatch) -> list[Any]:
+        """The batch's leaves with each ragged field as a list of per-sample tensors.
+
+        A JPEG field's bytes stay in host memory (the decoders read them there) and are
+        decoded onto the batch's device (``decode.decode_jpegs``: one batched nvJPEG call on
+        CUDA, threads on the CPU) into uint8 ``(C, H, W)`` tensors; any other ragged field
+        becomes views of its values (no copy).
+        """
+        out: list[Any] = []
+        for leaf in batch.leaves:
+            if isinstance(leaf, RaggedBatch):
+                tensors = leaf.tensors()
+                out.append(decode_jpegs(tensors, batch.indices.device) if leaf.encoding == "jpeg" else tensors)
+            else:
+                out.append(leaf)
+        return out
 
     def _augmented_leaves(self, batch: FastBatch, augment: BatchTransform, split: str) -> list[Any]:
         keys = SampleKeys(self.seed, batch.epoch, batch.indices, stream=SPLITS.index(split))
-        fields = dict(zip(batch.names, batch.leaves, strict=True))
+        fields = dict(zip(batch.names, self.unragged(batch), strict=True))
         out = self._runner(augment)(Batch(fields, self.kinds(split, batch.names), keys))
         return [out.fields[name] for name in batch.names]
 

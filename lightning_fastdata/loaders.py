@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata.placement import HostSource, Source, as_tensor
+from lightning_fastdata.ragged import RaggedArray, RaggedBatch, gather_host
 from lightning_fastdata.seeding import derive_seed
 from lightning_fastdata.store import unflatten
 
@@ -176,7 +177,10 @@ class FastBatch:
     Iterating or indexing a ``FastBatch`` reaches the sample structure (``x, y = batch``).
 
     Attributes:
-        leaves: One batched value per field (tensors; raw sources may hold other objects).
+        leaves: One batched value per field: tensors, a
+            :class:`~lightning_fastdata.ragged.RaggedBatch` for a ragged field (values on
+            the batch's device, offsets and shapes on the CPU); raw sources may hold other
+            objects.
         spec: The sample structure (see :func:`~lightning_fastdata.store.flatten`).
         names: Field names, one per leaf ("0", "1", or dict keys).
         indices: Global sample indices, int64, on the batch's device.
@@ -209,8 +213,11 @@ class FastBatch:
         return unflatten(self.spec, self.leaves)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> FastBatch:
-        """The same batch with every tensor on ``device`` (Lightning's transfer calls this)."""
-        leaves = [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        """The same batch with every tensor on ``device`` (Lightning's transfer calls this).
+
+        A ragged field moves its values only; its offsets and shapes stay on the CPU.
+        """
+        leaves = [v.to(device, non_blocking=non_blocking) if isinstance(v, (torch.Tensor, RaggedBatch)) else v
                   for v in self.leaves]
         return FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
                          self.epoch, self.index, self.prepared)
@@ -433,6 +440,7 @@ def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -
                 current = torch.cuda.current_stream(device)
                 current.wait_event(event)  # the device waits, not the host
                 for t in (*item.leaves, item.indices):
+                    t = t.values if isinstance(t, RaggedBatch) else t
                     if isinstance(t, torch.Tensor) and t.is_cuda:
                         # Made on the side stream, used on this one: the allocator must not
                         # reuse the memory before this stream's work on it is done.
@@ -443,21 +451,41 @@ def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -
         thread.join()
 
 
-class _HostBatches(Dataset):
-    """Map-style view of host fields whose ``__getitems__`` gathers a whole batch (no per-sample collate)."""
+class _Rows(list):
+    """A batch's sample indices, with the epoch and batch index they belong to (what keys its augmentation)."""
 
-    def __init__(self, source: HostSource) -> None:
-        self.arrays = source.arrays
+    def __init__(self, rows: list[int], epoch: int, index: int) -> None:
+        super().__init__(rows)
+        self.epoch, self.index = epoch, index
+
+
+class _HostBatches(Dataset):
+    """Map-style view of host fields whose ``__getitems__`` gathers a whole batch (no per-sample collate).
+
+    A ragged field's rows come as a :class:`~lightning_fastdata.ragged.RaggedBatch`, which
+    the identity collate passes through (and DataLoader's pinning pins its values). With a
+    ``prepare``, the worker also hands the batch to it (e.g. decodes and augments it, keyed
+    by the samples' indices) and sends back the prepared :class:`FastBatch`.
+    """
+
+    def __init__(self, source: HostSource, spec: dict | None = None, names: list[str] | None = None,
+                 prepare: Callable[[FastBatch], FastBatch] | None = None) -> None:
+        self.arrays, self.spec, self.names, self.prepare = source.arrays, spec, names, prepare
 
     def __len__(self) -> int:
-        return int(self.arrays[0].shape[0])
+        return len(self.arrays[0])
 
     def __getitem__(self, i: int) -> Any:
         return self.__getitems__([i])
 
-    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor | RaggedBatch] | FastBatch:
         idx = np.asarray(indices, dtype=np.int64)
-        return [as_tensor(np.ascontiguousarray(a[idx])) for a in self.arrays]
+        leaves = [gather_host(a, idx) if isinstance(a, RaggedArray) else as_tensor(np.ascontiguousarray(a[idx]))
+                  for a in self.arrays]
+        if self.prepare is None or not isinstance(indices, _Rows):
+            return leaves
+        batch = FastBatch(leaves, self.spec, self.names, torch.from_numpy(idx), indices.epoch, indices.index)
+        return self.prepare(batch)
 
 
 class _Transformed(Dataset):
@@ -492,8 +520,9 @@ class _BatchIndexSampler:
         return len(self.loader.order)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for sel in self.loader.order.batches(epoch=self.loader.iter_epoch, start=self.loader.iter_start):
-            yield sel.tolist()
+        epoch, start = self.loader.iter_epoch, self.loader.iter_start
+        for b, sel in enumerate(self.loader.order.batches(epoch=epoch, start=start), start):
+            yield _Rows(sel.tolist(), epoch, b)
 
 
 class WorkerLoader(_Loader):
@@ -509,12 +538,15 @@ class WorkerLoader(_Loader):
         spec: The sample structure of ``source``'s fields (required with ``source``).
         names: Field names of ``source``'s fields (required with ``source``).
         dataset: A per-sample dataset, used when ``source`` is ``None``.
+        prepare: With ``source``: applied to each batch inside the worker that gathers it
+            (must be picklable for spawned workers); the batch then arrives prepared.
         num_workers, pin_memory, prefetch_factor, persistent_workers, worker_init_fn,
         multiprocessing_context: As for ``DataLoader``.
     """
 
     def __init__(self, order: ShardedOrder, source: HostSource | None = None, spec: dict | None = None,
-                 names: list[str] | None = None, dataset: Any = None, num_workers: int = 0,
+                 names: list[str] | None = None, dataset: Any = None,
+                 prepare: Callable[[FastBatch], FastBatch] | None = None, num_workers: int = 0,
                  pin_memory: bool = False, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: str | None = None) -> None:
@@ -525,7 +557,9 @@ class WorkerLoader(_Loader):
             raise ValueError("WorkerLoader over a source needs its spec= and names=")
         self.spec, self.names = spec, names
         self.iter_epoch, self.iter_start = 0, 0
-        ds = _HostBatches(source) if source is not None else dataset
+        if prepare is not None and source is None:
+            raise ValueError("WorkerLoader's prepare= needs source= (a raw dataset's samples are collated first)")
+        ds = _HostBatches(source, spec, names, prepare) if source is not None else dataset
         self.dataloader = DataLoader(
             ds,
             batch_sampler=_BatchIndexSampler(self),
@@ -554,6 +588,10 @@ class WorkerLoader(_Loader):
         idx = self.order.indices(epoch)
         bs = self.order.batch_size
         for b, batch in enumerate(self.dataloader, start):
+            if isinstance(batch, FastBatch):  # prepared in the worker
+                self._yielded = b + 1
+                yield batch
+                continue
             if self.spec is not None:
                 spec, names, leaves = self.spec, self.names, batch
             else:

@@ -12,6 +12,10 @@ A *source* holds one split's field arrays somewhere and serves rows by index:
 Each has ``gather(indices)``, returning fresh tensors that nobody else writes (a batch
 handed to the user never changes afterwards), and ``batches(order, batch_size, start)``,
 the rows of a whole epoch in order (the chunked source overlaps loading with use there).
+A ragged field (:mod:`~lightning_fastdata.ragged`) is gathered into a
+:class:`~lightning_fastdata.ragged.RaggedBatch`: on the device by an element index built
+on the device (no host sync, no Python loop per sample), on the host by one copy per
+sample; the chunked source gathers its ragged fields from host memory per batch.
 
 :func:`place` allocates everything for a plan. Every device allocation goes through
 :func:`device_empty` (and every pinned host buffer through :func:`staging_empty`), so tests
@@ -42,8 +46,12 @@ import torch
 from lightning_fastdata import distributed as D
 from lightning_fastdata._util import cpu_count, fmt_bytes
 from lightning_fastdata.plan import LEVELS, Plan, fall_back
+from lightning_fastdata.ragged import RaggedArray, RaggedBatch, RaggedField, gather_host
 from lightning_fastdata.shared import Segment, share_stores, worker_headroom
 from lightning_fastdata.store import Store
+
+#: A batch leaf: a tensor, or a ragged field's batch.
+Leaf = torch.Tensor | RaggedBatch
 
 _NAMES = {v: k for k, v in LEVELS.items()}
 
@@ -159,22 +167,43 @@ def as_tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a)
 
 
-def place_fields(arrays: list[np.ndarray], device: torch.device | str,
-                 chunk_bytes: int = 64 << 20) -> list[torch.Tensor]:
-    """Copy every array into one tensor on ``device``, in chunks (bounded host staging)."""
+def _place_array(arr: np.ndarray, device: torch.device, chunk_bytes: int) -> torch.Tensor:
+    dst = _empty_huge(arr.shape, torch_dtype(arr.dtype), device)
+    rows = max(1, chunk_bytes // max(1, arr[0:1].nbytes))
+    for a in range(0, arr.shape[0], rows):
+        dst[a:a + rows].copy_(as_tensor(np.ascontiguousarray(arr[a:a + rows])))
+    return dst
+
+
+def _host_copy(arr: np.ndarray) -> torch.Tensor:
+    """A private in-memory copy (offsets and shapes are read on every batch: no page faults on a memmap)."""
+    return torch.from_numpy(np.array(arr, copy=True))
+
+
+def place_fields(arrays: list[np.ndarray | RaggedArray], device: torch.device | str,
+                 chunk_bytes: int = 64 << 20) -> list[torch.Tensor | RaggedField]:
+    """Copy every array into one tensor on ``device``, in chunks (bounded host staging).
+
+    A ragged field becomes a :class:`~lightning_fastdata.ragged.RaggedField`: its values
+    and offsets on ``device``, its offsets, shapes (and decoded shapes) also on the host.
+    """
     device = torch.device(device)
-    out: list[torch.Tensor] = []
+    out: list[torch.Tensor | RaggedField] = []
     try:
         for arr in arrays:
-            dst = _empty_huge(arr.shape, torch_dtype(arr.dtype), device)
-            out.append(dst)
-            rows = max(1, chunk_bytes // max(1, arr[0:1].nbytes))
-            for a in range(0, arr.shape[0], rows):
-                dst[a:a + rows].copy_(as_tensor(np.ascontiguousarray(arr[a:a + rows])))
+            if isinstance(arr, RaggedArray):
+                host_offsets = _host_copy(arr.offsets)
+                # Encoded bytes stay in host memory: the decoders (nvJPEG included) read them there.
+                where = torch.device("cpu") if arr.encoding else device
+                values = _place_array(arr.values, where, chunk_bytes)
+                offsets = host_offsets if where.type == "cpu" else _place_array(arr.offsets, device, chunk_bytes)
+                decoded = _host_copy(arr.decoded) if arr.decoded is not None else None
+                out.append(RaggedField(values, offsets, host_offsets, _host_copy(arr.shapes), arr.encoding, decoded))
+            else:
+                out.append(_place_array(arr, device, chunk_bytes))
     except BaseException:
         # The traceback keeps this frame alive: drop the partial copies now, not with it.
         out.clear()
-        dst = None  # noqa: F841
         raise
     return out
 
@@ -195,12 +224,21 @@ class Source:
     device: torch.device
     n: int
 
-    def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
-        """Rows ``indices`` of every field, as fresh tensors on :attr:`device`."""
+    def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None) -> list[Leaf]:
+        """Rows ``indices`` of every field, as fresh tensors on :attr:`device`.
+
+        Args:
+            indices: Sample indices, int64; on the CPU, so that ragged fields know the
+                sizes of their samples without a device synchronisation (indices on
+                the device are copied back, which waits for the device).
+            on_device: The same indices already on :attr:`device`, if at hand.
+
+        A ragged field's rows come as a :class:`~lightning_fastdata.ragged.RaggedBatch`.
+        """
         raise NotImplementedError
 
     def batches(self, order: torch.Tensor, batch_size: int, start: int = 0
-                ) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+                ) -> Iterator[tuple[list[Leaf], torch.Tensor]]:
         """``(leaves, indices)`` of the batches cut from ``order`` (CPU int64), from batch ``start``.
 
         ``indices`` is the batch's slice of ``order``, on :attr:`device`.
@@ -208,7 +246,7 @@ class Source:
         on_device = order.to(self.device, non_blocking=True)
         for b in range(start, math.ceil(order.numel() / batch_size)):
             sel = on_device[b * batch_size:(b + 1) * batch_size]
-            yield self.gather(sel), sel
+            yield self.gather(order[b * batch_size:(b + 1) * batch_size], sel), sel
 
     @property
     def nbytes(self) -> int:
@@ -219,30 +257,52 @@ class Source:
         """Stop background work (nothing by default)."""
 
 
+def _rows(field: Any) -> int:
+    return len(field) if isinstance(field, (RaggedArray, RaggedField)) else int(field.shape[0])
+
+
+def _check_rows(fields: list[Any]) -> None:
+    if not fields or len({_rows(f) for f in fields}) != 1:
+        raise ValueError(f"every field needs the same number of rows, got {[_rows(f) for f in fields]}")
+
+
 class DeviceSource(Source):
     """Every field whole on the device; a batch is one ``index_select`` per field.
 
     Args:
-        fields: One tensor per field, ``(n, *sample_shape)``, on the device.
+        fields: One tensor per field, ``(n, *sample_shape)``, on the device, or a
+            :class:`~lightning_fastdata.ragged.RaggedField` (values on the device).
     """
 
     kind = "device"
 
-    def __init__(self, fields: list[torch.Tensor]) -> None:
-        if not fields or len({f.shape[0] for f in fields}) != 1:
-            raise ValueError(f"every field needs the same number of rows, got {[tuple(f.shape) for f in fields]}")
+    def __init__(self, fields: list[torch.Tensor | RaggedField], device: torch.device | str | None = None) -> None:
+        _check_rows(fields)
         self.fields = fields
-        self.device = fields[0].device
-        self.n = int(fields[0].shape[0])
+        if device is None:  # the device of the fields that are not encoded bytes (those stay on the host)
+            placed = [f.values if isinstance(f, RaggedField) else f for f in fields
+                      if not (isinstance(f, RaggedField) and f.encoding)]
+            device = placed[0].device if placed else torch.device("cpu")
+        self.device = torch.device(device)
+        self.n = _rows(fields[0])
 
     @classmethod
-    def from_arrays(cls, arrays: list[np.ndarray], device: torch.device | str) -> DeviceSource:
+    def from_arrays(cls, arrays: list[np.ndarray | RaggedArray], device: torch.device | str) -> DeviceSource:
         """Copy host arrays onto ``device`` (see :func:`place_fields`)."""
-        return cls(place_fields(arrays, device))
+        return cls(place_fields(arrays, device), device)
 
-    def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
-        idx = indices.to(self.device, non_blocking=True)
-        return [torch.index_select(f, 0, idx) for f in self.fields]
+    def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None) -> list[Leaf]:
+        idx = on_device if on_device is not None else indices.to(self.device, non_blocking=True)
+        host = None
+        out: list[Leaf] = []
+        for f in self.fields:
+            if isinstance(f, RaggedField):
+                if host is None:
+                    host = indices if indices.device.type == "cpu" else indices.cpu()
+                out.append(f.gather(host, idx))
+            else:
+                out.append(torch.index_select(f, 0, idx))
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -253,27 +313,38 @@ class HostSource(Source):
     """The fields in host memory (memory maps of the disk cache, or a shared-memory segment).
 
     Args:
-        arrays: One array per field, ``(n, *sample_shape)``.
+        arrays: One array per field, ``(n, *sample_shape)``, or a
+            :class:`~lightning_fastdata.ragged.RaggedArray` for a ragged field.
         segment: The shared-memory segment the arrays view, if any (kept alive with them).
+
+    Attributes:
+        fixed: Positions of the fixed-shape fields (those :meth:`gather_into` fills).
+        tensors: Zero-copy tensor views of the fixed-shape fields, in field order.
     """
 
     kind = "host"
 
-    def __init__(self, arrays: list[np.ndarray], segment: Segment | None = None) -> None:
-        if not arrays or len({a.shape[0] for a in arrays}) != 1:
-            raise ValueError(f"every field needs the same number of rows, got {[a.shape for a in arrays]}")
+    def __init__(self, arrays: list[np.ndarray | RaggedArray], segment: Segment | None = None) -> None:
+        _check_rows(arrays)
         self.arrays, self.segment = arrays, segment
-        self.tensors = [as_tensor(a) for a in arrays]  # zero-copy views
+        self.fixed = [k for k, a in enumerate(arrays) if not isinstance(a, RaggedArray)]
+        self.tensors = [as_tensor(arrays[k]) for k in self.fixed]  # zero-copy views
         self.device = torch.device("cpu")
-        self.n = int(arrays[0].shape[0])
+        self.n = _rows(arrays[0])
 
-    def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None) -> list[Leaf]:
         idx = indices.cpu()
-        return [torch.index_select(t, 0, idx) for t in self.tensors]
+        tensors = iter(self.tensors)
+        return [gather_host(a, idx) if isinstance(a, RaggedArray) else torch.index_select(next(tensors), 0, idx)
+                for a in self.arrays]
+
+    def gather_ragged(self, indices: torch.Tensor) -> dict[int, RaggedBatch]:
+        """Rows ``indices`` (CPU) of the ragged fields only, by field position."""
+        return {k: gather_host(a, indices) for k, a in enumerate(self.arrays) if isinstance(a, RaggedArray)}
 
     def gather_into(self, indices: torch.Tensor, out: list[torch.Tensor], pool: ThreadPoolExecutor | None = None,
                     parts: int = 1) -> None:
-        """Rows ``indices`` of every field into the first rows of ``out`` (one buffer per field).
+        """Rows ``indices`` of every fixed-shape field into the first rows of ``out`` (one buffer per such field).
 
         With a ``pool``, the rows are split into ``parts`` ranges gathered in parallel:
         ``index_select`` releases the GIL, and one thread's row copies do not reach the
@@ -339,9 +410,10 @@ class ChunkBuffers:
     def for_store(cls, store: Store, device: torch.device | str, chunk_bytes: int, batch_size: int,
                   world_size: int = 1, pin: bool = True) -> ChunkBuffers:
         """Buffers for ``store``: as many whole batches as fit ``chunk_bytes``, no more than one rank's shard."""
-        row = sum(info.row_nbytes for info in store.infos)
+        fixed = [info for info in store.infos if not info.ragged]  # ragged fields are not chunked
+        row = sum(info.row_nbytes for info in fixed)
         rows = rows_per_chunk(row, chunk_bytes, batch_size, math.ceil(len(store) / max(1, world_size)))
-        infos = [(info.shape, torch_dtype(info.dtype)) for info in store.infos]
+        infos = [(info.shape, torch_dtype(info.dtype)) for info in fixed]
         return cls(infos, rows, batch_size, device, pin=pin)
 
     @property
@@ -363,6 +435,10 @@ class ChunkedSource(Source):
     buffer) while batches are cut from the current chunk. Each batch is copied out of its
     chunk, so a batch stays valid after its buffer is refilled.
 
+    Ragged fields are not chunked: each batch's ragged rows are gathered from host memory
+    when the batch is cut and copied to the device (from pinned memory on CUDA, without
+    blocking the host); only the fixed-shape fields go through the chunk buffers.
+
     Args:
         host: The host-resident fields.
         buffers: The two chunk buffers (see :class:`ChunkBuffers`).
@@ -372,7 +448,7 @@ class ChunkedSource(Source):
     kind = "chunked"
 
     def __init__(self, host: HostSource, buffers: ChunkBuffers, fill_threads: int | None = None) -> None:
-        expected = [(tuple(a.shape[1:]), torch_dtype(a.dtype)) for a in host.arrays]
+        expected = [(tuple(host.arrays[k].shape[1:]), torch_dtype(host.arrays[k].dtype)) for k in host.fixed]
         if buffers.infos != expected:
             raise ValueError(f"buffers with fields {buffers.infos} do not fit the source's fields {expected}")
         if fill_threads is None:
@@ -394,9 +470,16 @@ class ChunkedSource(Source):
     def nbytes(self) -> int:
         return self.buffers.nbytes
 
-    def gather(self, indices: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None) -> list[Leaf]:
         """Random access, outside the stream: rows from host memory, copied to the device."""
         return [t.to(self.device) for t in self.host.gather(indices)]
+
+    def _ragged_to_device(self, batch: RaggedBatch) -> RaggedBatch:
+        if batch.encoding:
+            return batch  # encoded bytes are decoded from host memory
+        if self._cuda:
+            return batch.pin_memory().to(self.device, non_blocking=True)
+        return batch.to(self.device)
 
     def _load(self, slot: int, idx: torch.Tensor) -> None:
         """Gather rows ``idx`` of every field into buffer ``slot`` (runs in the loader thread)."""
@@ -434,7 +517,7 @@ class ChunkedSource(Source):
         return self._executor
 
     def batches(self, order: torch.Tensor, batch_size: int, start: int = 0
-                ) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+                ) -> Iterator[tuple[list[Leaf], torch.Tensor]]:
         if self.rows % batch_size:
             raise ValueError(f"chunks of {self.rows} rows do not hold whole batches of {batch_size}")
         rows, per_chunk = self.rows, self.rows // batch_size
@@ -461,7 +544,10 @@ class ChunkedSource(Source):
                 for b in range(max(c * per_chunk, start), min((c + 1) * per_chunk, n_batches)):
                     a = (b - c * per_chunk) * batch_size
                     k = min(batch_size, order.numel() - b * batch_size)
-                    leaves = [f[a:a + k].clone() for f in chunk]
+                    fixed = iter([f[a:a + k].clone() for f in chunk])
+                    ragged = {j: self._ragged_to_device(r) for j, r in
+                              self.host.gather_ragged(order[b * batch_size:b * batch_size + k]).items()}
+                    leaves = [ragged[j] if j in ragged else next(fixed) for j in range(len(self.host.arrays))]
                     yield leaves, on_device[b * batch_size:b * batch_size + k]
                 if self._cuda:
                     self._freed[c % 2].record(torch.cuda.current_stream(self.device))

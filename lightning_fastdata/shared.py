@@ -37,12 +37,14 @@ import numpy as np
 from lightning_fastdata import _lightning as door
 from lightning_fastdata import distributed as D
 from lightning_fastdata._util import fmt_bytes, pid_alive
+from lightning_fastdata.ragged import RaggedArray
 from lightning_fastdata.store import Store
 
 #: Where segments live (a tmpfs on Linux).
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"LFDSHM\x00\x01"
-VERSION = 1
+#: 2: the layout lists parts (a ragged field's values, offsets, shapes), not fields.
+VERSION = 2
 #: Header: magic, version, ready, total size, owner pid, owner start time, token,
 #: fingerprint, layout length; the JSON layout follows.
 _HEAD = struct.Struct("<8sIIQQQ16s64sI")
@@ -121,11 +123,27 @@ def _alive(pid: int, start: int) -> bool:
 # --------------------------------------------------------------------------- layout
 
 
+def _parts(store: Store) -> list[tuple[int, str, str | None, np.ndarray]]:
+    """``(field, role, encoding, array)`` of every array of the store: a fixed field is one
+    (role ``data``), a ragged field three or four (values, offsets, shapes, decoded)."""
+    out: list[tuple[int, str, str | None, np.ndarray]] = []
+    for k, f in enumerate(store.fields):
+        if isinstance(f, RaggedArray):
+            out.extend((k, role, f.encoding, arr) for role, arr in f.parts().items())
+        else:
+            out.append((k, "data", None, f))
+    return out
+
+
 def _layout(store: Store) -> list[dict[str, Any]]:
     out, offset = [], _ALIGN
-    for arr in store.fields:
+    for k, role, encoding, arr in _parts(store):
         nbytes = int(arr.nbytes)
-        out.append({"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset, "nbytes": nbytes})
+        entry = {"field": k, "role": role, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
+                 "nbytes": nbytes}
+        if role != "data":
+            entry["encoding"] = encoding
+        out.append(entry)
         offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
     return out
 
@@ -255,7 +273,7 @@ class Segment:
         size: Segment bytes, header included.
         token: The job's random token (also in the header).
         fingerprint: The store's fingerprint.
-        layout: Per-field dtype, shape, offset and size.
+        layout: Per array (a field, or one part of a ragged field): field, role, dtype, shape, offset, size.
     """
 
     name: str
@@ -274,13 +292,26 @@ class Segment:
     def path(self) -> Path:
         return SHM_DIR / self.name
 
-    def arrays(self) -> list[np.ndarray]:
-        """Read-only field views of the mapping, pickled as descriptors for spawned workers."""
-        out = []
+    def arrays(self) -> list[np.ndarray | RaggedArray]:
+        """Read-only field views of the mapping, pickled as descriptors for spawned workers.
+
+        A ragged field is a :class:`~lightning_fastdata.ragged.RaggedArray` of such views.
+        """
+        fields: dict[int, dict[str, np.ndarray]] = {}
+        encodings: dict[int, str | None] = {}
         for k, entry in enumerate(self.layout):
             arr = _view(self.mm, entry).view(SharedArray)
             arr._lfd_segment, arr._lfd_index = self, k
-            out.append(arr)
+            fields.setdefault(entry.get("field", k), {})[entry.get("role", "data")] = arr
+            encodings[entry.get("field", k)] = entry.get("encoding")
+        out: list[np.ndarray | RaggedArray] = []
+        for f in sorted(fields):
+            parts = fields[f]
+            if "data" in parts:
+                out.append(parts["data"])
+            else:
+                out.append(RaggedArray(parts["values"], parts["offsets"], parts["shapes"], encodings[f],
+                                       parts.get("decoded")))
         return out
 
     def unlink(self) -> None:
@@ -307,7 +338,7 @@ def _fill(fd: int, store: Store, layout: list[dict[str, Any]]) -> None:
     The leader never maps the pages it writes, so they count against no process until
     someone reads them; a memmapped field is read with file reads for the same reason.
     """
-    for arr, entry in zip(store.fields, layout, strict=True):
+    for (_, _, _, arr), entry in zip(_parts(store), layout, strict=True):
         off, nbytes = entry["offset"], entry["nbytes"]
         filename = getattr(arr, "filename", None)
         src_off = getattr(arr, "offset", None)

@@ -1,9 +1,13 @@
 """The array store: a dataset's static outputs as one contiguous array per field.
 
 A sample (a tensor, number, ndarray, or a tuple/list/dict of those) is flattened into
-leaves; leaf ``k`` of every sample becomes row ``i`` of field array ``k``. On disk a
-store is a directory of ``.npy`` files and a JSON manifest (format version, N, dtypes,
-shapes, kinds, fingerprint and its components, per-file size and CRC32). It is written
+leaves; leaf ``k`` of every sample becomes row ``i`` of field array ``k``. A field named
+in ``ragged`` may change shape from sample to sample: it is kept end to end as a
+:class:`~lightning_fastdata.ragged.RaggedArray` (values, offsets, shapes); a field named
+in ``encode`` is stored as JPEG bytes, a ragged uint8 field that also records each
+image's decoded shape (:mod:`lightning_fastdata.encode`). On disk a store is a directory
+of ``.npy`` files and a JSON manifest (format version, N, dtypes, shapes, kinds, ragged
+layout and encoding, fingerprint and its components, per-file size and CRC32). It is written
 into a private temporary directory and published by one atomic ``rename``, so readers
 never see a partial cache, and it is opened as read-only memory maps with
 ``allow_pickle=False``.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -43,12 +48,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_fastdata import encode as E
 from lightning_fastdata import fingerprint as F
 from lightning_fastdata import locks
 from lightning_fastdata._util import fmt_bytes, pid_alive
+from lightning_fastdata.ragged import RaggedArray
 
 FORMAT = "lightning_fastdata.store"
-FORMAT_VERSION = 2
+#: 3: ragged fields (values, offsets, shapes files) and JPEG-encoded fields.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 READERS = ".readers"
 LAST_USED = "last_used"
@@ -123,7 +131,9 @@ def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarr
     """Flatten a sample into ``(spec, [(path, array), ...])`` in a fixed leaf order.
 
     A leaf that is a torchvision ``tv_tensors`` instance records its kind in the spec
-    (``"tv": "image" | "mask" | "other"``), see :func:`field_kinds`.
+    (``"tv": "image" | "mask" | "other"``), see :func:`field_kinds`. A
+    :class:`~lightning_fastdata.ragged.RaggedArray` (a whole ragged field, as
+    :meth:`Store.from_arrays` takes) is one leaf, kept as it is.
     """
     leaves: list[tuple[str, np.ndarray]] = []
 
@@ -139,6 +149,9 @@ def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarr
                     raise StoreError(f"sample {index} has a dict key {k!r}; keys must be str")
             items = [walk(node[k], f"{path}.{k}" if path else k) for k in keys]
             return {"kind": "dict", "keys": keys, "items": items}
+        if isinstance(node, RaggedArray):
+            leaves.append((path or "0", node))  # type: ignore[arg-type]
+            return {"kind": "leaf", "field": len(leaves) - 1, "type": "ragged"}
         kind = "tensor" if isinstance(node, torch.Tensor) else (
             "ndarray" if isinstance(node, np.ndarray) else "number"
         )
@@ -188,20 +201,41 @@ def unflatten(spec: dict, leaves: Sequence[Any]) -> Any:
 
 @dataclass(frozen=True)
 class FieldInfo:
-    """One field of a store: its name (the leaf's path), dtype, per-sample shape and kind."""
+    """One field of a store: its name (the leaf's path), dtype, per-sample shape and kind.
+
+    A ragged field (``ragged=True``) has ``-1`` for every dimension of ``shape`` (each
+    sample has its own, see :class:`~lightning_fastdata.ragged.RaggedArray`), and
+    ``mean_nbytes``, its bytes per sample on average (estimated from the probe samples
+    while building, exact once stored). A field stored as JPEG has ``encoding="jpeg"``:
+    its values are bytes (``dtype`` uint8, ``shape`` ``(-1,)``).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     kind: str = "other"
+    ragged: bool = False
+    encoding: str | None = None
+    mean_nbytes: int = 0
 
     @property
     def row_nbytes(self) -> int:
+        """Bytes per sample (the mean for a ragged field)."""
+        if self.ragged:
+            return int(self.mean_nbytes)
         return int(np.dtype(self.dtype).itemsize * math.prod(self.shape))
 
 
 def _signature(leaves: list[tuple[str, np.ndarray]]) -> list[FieldInfo]:
     return [FieldInfo(p, a.dtype.str, tuple(a.shape)) for p, a in leaves]
+
+
+def _ragged_info(info: FieldInfo, kind: str | None = None, encoding: str | None = None) -> FieldInfo:
+    """``info`` as a ragged field: -1 per dimension (stored JPEG bytes: one dimension, uint8)."""
+    if encoding is not None:
+        return replace(info, dtype=np.dtype(np.uint8).str, shape=(-1,), ragged=True, encoding=encoding,
+                       kind=kind or info.kind)
+    return replace(info, shape=(-1,) * len(info.shape), ragged=True, kind=kind or info.kind)
 
 
 def _with_kinds(infos: list[FieldInfo], spec: dict) -> list[FieldInfo]:
@@ -216,12 +250,25 @@ def _check_like(expected: list[FieldInfo], leaves: list[tuple[str, np.ndarray]],
             f"{[f.name for f in expected]}; static_transform must return one structure for all samples"
         )
     for e, g in zip(expected, got, strict=True):
+        if e.encoding is not None:
+            continue  # the encoder checks each sample: a uint8 image or JPEG bytes
+        if e.ragged:
+            if len(e.shape) != len(g.shape) or e.dtype != g.dtype:
+                raise StoreError(
+                    f"sample {index}, ragged field '{g.name}' has {len(g.shape)} dimension(s) {g.shape} dtype "
+                    f"{np.dtype(g.dtype)}, sample 0 has {len(e.shape)} dimension(s) dtype {np.dtype(e.dtype)}; "
+                    "a ragged field may change its shape from sample to sample, not its number of dimensions "
+                    "or its dtype: make static_transform return one of each"
+                )
+            continue
         if e.shape != g.shape or e.dtype != g.dtype:
+            hint = (f"; name it in ragged=[{g.name!r}] if its shape varies by design"
+                    if e.shape != g.shape and e.dtype == g.dtype else "")
             raise StoreError(
                 f"sample {index}, field '{g.name}' has shape {g.shape} dtype {np.dtype(g.dtype)}, "
                 f"sample 0 has shape {e.shape} dtype {np.dtype(e.dtype)}; make static_transform "
                 "return one shape and dtype for every sample (e.g. resize to a fixed size), "
-                "or pass store=False to load samples one by one through DataLoader workers"
+                "or pass store=False to load samples one by one through DataLoader workers" + hint
             )
 
 
@@ -233,16 +280,18 @@ class Store:
     """Field arrays of N samples plus the spec that rebuilds a sample's structure.
 
     Attributes:
-        fields: One array per leaf, shape ``(N, *sample_shape)``; read-only memmaps when
-            opened from disk.
-        infos: Name, dtype, per-sample shape and kind of each field.
+        fields: One array per leaf, shape ``(N, *sample_shape)``, or a
+            :class:`~lightning_fastdata.ragged.RaggedArray` for a ragged field; read-only
+            memmaps when opened from disk.
+        infos: Name, dtype, per-sample shape and kind of each field, and whether it is
+            ragged (and encoded).
         spec: The sample structure (see :func:`flatten`).
         fingerprint: Hex digest identifying source + static transform + config + files.
         path: The cache directory, or ``None`` for an in-memory store.
         meta: The manifest of an on-disk store.
     """
 
-    fields: list[np.ndarray]
+    fields: list[np.ndarray | RaggedArray]
     infos: list[FieldInfo]
     spec: dict
     fingerprint: str = ""
@@ -252,11 +301,11 @@ class Store:
     lease: Any = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
-        return int(self.fields[0].shape[0])
+        return len(self.fields[0])
 
     @property
     def nbytes(self) -> int:
-        """Total bytes of all field arrays."""
+        """Total bytes of all field arrays (a ragged field's values, offsets and shapes)."""
         return int(sum(a.nbytes for a in self.fields))
 
     @property
@@ -278,15 +327,23 @@ class Store:
         """An in-memory store from batched arrays in a sample's structure.
 
         Args:
-            arrays: e.g. ``(images[N, 3, 32, 32], labels[N])`` or a dict of such arrays.
+            arrays: e.g. ``(images[N, 3, 32, 32], labels[N])`` or a dict of such arrays;
+                a ragged field as a :class:`~lightning_fastdata.ragged.RaggedArray`.
             fingerprint: Identifier recorded on the store.
         """
         spec, leaves = flatten(arrays)
-        fields = [np.ascontiguousarray(a) for _, a in leaves]
-        n = {a.shape[0] if a.ndim else -1 for a in fields}
+        fields: list[np.ndarray | RaggedArray] = [
+            a if isinstance(a, RaggedArray) else np.ascontiguousarray(a) for _, a in leaves]
+        n = {len(a) if isinstance(a, RaggedArray) else a.shape[0] if a.ndim else -1 for a in fields}
         if len(n) != 1 or -1 in n:
             raise StoreError(f"from_arrays needs arrays of equal first dimension, got {sorted(n)}")
-        infos = [FieldInfo(p, a.dtype.str, tuple(a.shape[1:])) for (p, _), a in zip(leaves, fields, strict=True)]
+        infos = []
+        for (p, _), a in zip(leaves, fields, strict=True):
+            if isinstance(a, RaggedArray):
+                infos.append(FieldInfo(p, a.dtype.str, (-1,) * a.ndim, ragged=True, encoding=a.encoding,
+                                       mean_nbytes=-(-a.values.nbytes // max(1, len(a)))))
+            else:
+                infos.append(FieldInfo(p, a.dtype.str, tuple(a.shape[1:])))
         return cls(fields, _with_kinds(infos, spec), spec, fingerprint)
 
 
@@ -294,6 +351,72 @@ class Store:
 
 
 probe_indices = F.probe_indices
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a store keeps its fields: which are ragged, which are encoded as JPEG, and how.
+
+    Attributes:
+        ragged: Fields whose shape may vary from sample to sample.
+        encode: Field -> "jpeg" (an encoded field is ragged too).
+        jpeg_quality: JPEG quality of store-time encoding, 1-100.
+        max_side: Longest image side after store-time resizing, ``None`` to keep sizes.
+    """
+
+    ragged: tuple[str, ...] = ()
+    encode: tuple[tuple[str, str], ...] = ()
+    jpeg_quality: int = 90
+    max_side: int | None = None
+
+    @classmethod
+    def of(cls, ragged: Sequence[str] | None = None, encode: Mapping[str, str] | None = None,
+           jpeg_quality: int = 90, max_side: int | None = None) -> Layout:
+        """A checked layout; raises :class:`StoreError` naming the bad setting."""
+        if ragged is None:
+            ragged = ()
+        if isinstance(ragged, str) or not isinstance(ragged, (list, tuple, set, frozenset)) or not all(
+                isinstance(r, str) for r in ragged):
+            raise StoreError(f"ragged must be a list of field names, got {ragged!r}")
+        try:
+            enc = E.check_settings(encode, jpeg_quality, max_side)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+        return cls(tuple(sorted(set(ragged))), tuple(sorted(enc.items())), jpeg_quality, max_side)
+
+    def encoding(self, name: str) -> str | None:
+        return dict(self.encode).get(name)
+
+    def is_ragged(self, name: str) -> bool:
+        return name in self.ragged or self.encoding(name) is not None
+
+    def config(self) -> dict[str, Any]:
+        """What enters the fingerprint (nothing for a store without ragged or encoded fields)."""
+        out: dict[str, Any] = {}
+        if self.ragged:
+            out["ragged"] = list(self.ragged)
+        if self.encode:
+            out.update(encode=dict(self.encode), jpeg_quality=self.jpeg_quality, max_side=self.max_side)
+        return {"store_layout": out} if out else {}
+
+    def apply(self, infos: list[FieldInfo]) -> list[FieldInfo]:
+        """The stored form of the probe's fields; unknown names are a :class:`StoreError`."""
+        names = [i.name for i in infos]
+        for what, named in (("ragged", self.ragged), ("encode", [n for n, _ in self.encode])):
+            for name in named:
+                if name not in names:
+                    raise StoreError(f"{what} names a field {name!r} that the samples do not have; their fields "
+                                     f"are {names} (dict keys, or positions '0', '1' for tuples)")
+        return [_ragged_info(i, encoding=self.encoding(i.name)) if self.is_ragged(i.name) else i for i in infos]
+
+    def stored(self, info: FieldInfo, value: np.ndarray, index: int) -> tuple[np.ndarray, tuple[int, ...] | None]:
+        """A sample's value as stored, and its decoded shape when encoded (``None`` otherwise)."""
+        if info.encoding is None:
+            return value, None
+        try:
+            return E.encode_jpeg_leaf(value, self.jpeg_quality, self.max_side, f"sample {index}, field '{info.name}'")
+        except ValueError as e:
+            raise StoreError(str(e)) from None
 
 
 @dataclass
@@ -306,19 +429,27 @@ class _Probe:
     per_sample_s: float
 
 
-def _probe(dataset: Any, transform: Callable[[Any], Any], n: int, probes: int) -> _Probe:
+def _probe(dataset: Any, transform: Callable[[Any], Any], n: int, probes: int, layout: Layout | None = None) -> _Probe:
+    """Read the probe samples: structure, stored fields (ragged sizes estimated from them), digests."""
+    layout = layout or Layout()
     spec: dict = {}
     infos: list[FieldInfo] = []
     digests: dict[int, list[str]] = {}
+    sizes: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     idx = F.probe_indices(n, probes)
     for i in idx:
         s, leaves = flatten(transform(dataset[i]), i)
         if not infos:
-            spec, infos = s, _with_kinds(_signature(leaves), s)
+            spec, infos = s, layout.apply(_with_kinds(_signature(leaves), s))
         else:
             _check_like(infos, leaves, i)
         digests[i] = F.leaf_digests(leaves)
+        for k, (info, (_, value)) in enumerate(zip(infos, leaves, strict=True)):
+            if info.ragged:
+                sizes.setdefault(k, []).append(int(layout.stored(info, value, i)[0].nbytes))
+    infos = [replace(info, mean_nbytes=-(-sum(sizes[k]) // len(sizes[k]))) if k in sizes else info
+             for k, info in enumerate(infos)]
     return _Probe(spec, infos, digests, (time.perf_counter() - t0) / max(len(idx), 1))
 
 
@@ -359,16 +490,19 @@ def fingerprint(
     *,
     config: Mapping[str, Any] | None = None,
     files: Sequence[str] | None = None,
+    layout: Layout | None = None,
 ) -> tuple[str, dict, list[FieldInfo], float]:
     """Identify a (source, static transform, config, files) combination; see :mod:`lightning_fastdata.fingerprint`.
 
     Returns ``(hex digest, spec, field infos, seconds per probe sample)``; loader
-    settings never enter it. ``files=None`` discovers them on the dataset.
+    settings never enter it. ``files=None`` discovers them on the dataset. ``layout``
+    (ragged and encoded fields, see :class:`Layout`) enters it as part of the config.
     """
     n = len(dataset)
-    probe = _probe(dataset, transform, n, probes)
+    layout = layout or Layout()
+    probe = _probe(dataset, transform, n, probes, layout)
     listed = F.discover_files(dataset) if files is None else [os.fspath(f) for f in files]
-    fp = _fingerprint(dataset, transform, n, probe, cache_key, config, listed)
+    fp = _fingerprint(dataset, transform, n, probe, cache_key, {**(config or {}), **layout.config()}, listed)
     return fp.digest, probe.spec, probe.infos, probe.per_sample_s
 
 
@@ -490,6 +624,54 @@ def open_store(path: str | os.PathLike, verify: bool = True, expect_fingerprint:
     return store
 
 
+def _load_checked(path: Path, entry: Mapping[str, Any], verify: bool) -> np.ndarray:
+    """One file of a cache as a read-only memmap, after its size (and CRC32 when ``verify``) check."""
+    file = path / entry["file"]
+    if Path(entry["file"]).name != entry["file"]:
+        raise CacheInvalidError(f"{path / MANIFEST} names a file {entry['file']!r} outside the cache")
+    try:
+        st = os.lstat(file)
+    except FileNotFoundError as e:
+        raise CacheInvalidError(f"{file} is missing") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheInvalidError(f"{file} is not a regular file (symlinks are refused)")
+    if st.st_size != entry["bytes"]:
+        raise CacheInvalidError(f"{file} has {st.st_size} bytes, the manifest says {entry['bytes']} (truncated?)")
+    if verify and _crc32(file) != entry["crc32"]:
+        raise CacheInvalidError(f"{file} fails its checksum (corrupted on disk)")
+    try:
+        return np.load(file, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise CacheInvalidError(f"{file} is not a valid .npy file ({e})") from e
+
+
+def _open_field(path: Path, entry: Mapping[str, Any], n: int, verify: bool) -> tuple[np.ndarray | RaggedArray,
+                                                                                      FieldInfo]:
+    info = FieldInfo(entry["name"], entry["dtype"], tuple(entry["shape"]), entry.get("kind", "other"),
+                     ragged=bool(entry.get("ragged", False)), encoding=entry.get("encoding"))
+    files = entry["files"]
+    arrays = {role: _load_checked(path, spec, verify) for role, spec in files.items()}
+    where = f"{path}: field '{info.name}'"
+    if not info.ragged:
+        arr = arrays["data"]
+        if arr.dtype.str != info.dtype or arr.shape != (n, *info.shape):
+            raise CacheInvalidError(f"{path / files['data']['file']} holds {arr.dtype} {arr.shape}, the manifest says "
+                                    f"{np.dtype(info.dtype)} {(n, *info.shape)}")
+        return arr, info
+    roles = {"values", "offsets", "shapes"} | ({"decoded"} if info.encoding else set())
+    if set(arrays) != roles:
+        raise CacheInvalidError(f"{where} has files {sorted(arrays)}, a ragged field needs {sorted(roles)}")
+    field = RaggedArray(arrays["values"], arrays["offsets"], arrays["shapes"], info.encoding, arrays.get("decoded"))
+    if field.values.dtype.str != info.dtype or len(field) != n or field.ndim != len(info.shape):
+        raise CacheInvalidError(f"{where} holds {len(field)} samples of {field.values.dtype} with {field.ndim} "
+                                f"dimension(s), the manifest says {n} of {np.dtype(info.dtype)} with "
+                                f"{len(info.shape)}")
+    problems = field.problems()
+    if problems:
+        raise CacheInvalidError(f"{where}: {'; '.join(problems)} (offsets or shapes edited or corrupted)")
+    return field, replace(info, mean_nbytes=-(-field.values.nbytes // max(1, n)))
+
+
 def _open_fields(path: Path, verify: bool, expect_fingerprint: str | None) -> Store:
     manifest = read_manifest(path)
     if expect_fingerprint is not None and manifest["fingerprint"] != expect_fingerprint:
@@ -499,27 +681,11 @@ def _open_fields(path: Path, verify: bool, expect_fingerprint: str | None) -> St
     fields, infos = [], []
     n = int(manifest["n"])
     for entry in manifest["fields"]:
-        file = path / entry["file"]
         try:
-            st = os.lstat(file)
-        except FileNotFoundError as e:
-            raise CacheInvalidError(f"{file} is missing") from e
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheInvalidError(f"{file} is not a regular file (symlinks are refused)")
-        if st.st_size != entry["bytes"]:
-            raise CacheInvalidError(f"{file} has {st.st_size} bytes, the manifest says {entry['bytes']} (truncated?)")
-        if verify and _crc32(file) != entry["crc32"]:
-            raise CacheInvalidError(f"{file} fails its checksum (corrupted on disk)")
-        try:
-            arr = np.load(file, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:
-            raise CacheInvalidError(f"{file} is not a valid .npy file ({e})") from e
-        info = FieldInfo(entry["name"], entry["dtype"], tuple(entry["shape"]), entry.get("kind", "other"))
-        if arr.dtype.str != info.dtype or arr.shape != (n, *info.shape):
-            raise CacheInvalidError(
-                f"{file} holds {arr.dtype} {arr.shape}, the manifest says {np.dtype(info.dtype)} {(n, *info.shape)}"
-            )
-        fields.append(arr)
+            field, info = _open_field(path, entry, n, verify)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CacheInvalidError(f"{path / MANIFEST} has a malformed field entry ({type(e).__name__}: {e})") from e
+        fields.append(field)
         infos.append(info)
     return Store(fields, infos, manifest["spec"], manifest["fingerprint"], path, manifest)
 
@@ -570,17 +736,26 @@ def lock_path(cache: Path) -> Path:
 # --------------------------------------------------------------------------- space
 
 
+def _field_nbytes(n: int, info: FieldInfo) -> int:
+    """Bytes one field's files will take (a ragged field's values estimated from the probe samples)."""
+    if not info.ragged:
+        return n * info.row_nbytes + _NPY_HEADER
+    index = 8 * ((n + 1) + n * len(info.shape) + (3 * n if info.encoding else 0))
+    return n * info.mean_nbytes + index + 4 * _NPY_HEADER
+
+
 def _estimate_nbytes(n: int, infos: Sequence[FieldInfo]) -> int:
-    """Bytes the store will take: each field's rows, its .npy header, and room for the manifest."""
-    return sum(n * i.row_nbytes + _NPY_HEADER for i in infos) + (64 << 10)
+    """Bytes the store will take: each field's rows, its .npy headers, and room for the manifest."""
+    return sum(_field_nbytes(n, i) for i in infos) + (64 << 10)
 
 
 def _no_room(name: str, root: Path, free: int, n: int, infos: Sequence[FieldInfo]) -> StoreError:
     row = sum(i.row_nbytes for i in infos)
+    per = "on average, estimated from the probe samples" if any(i.ragged for i in infos) else ""
     return StoreError(
-        f"caching '{name}' needs {fmt_bytes(_estimate_nbytes(n, infos))} ({n} samples x {fmt_bytes(row)}) in "
-        f"cache_dir {root}, which has {fmt_bytes(free)} free; set cache_dir to a filesystem with more room "
-        "(or free space there)"
+        f"caching '{name}' needs {fmt_bytes(_estimate_nbytes(n, infos))} ({n} samples x {fmt_bytes(row)}"
+        f"{', ' + per if per else ''}) in cache_dir {root}, which has {fmt_bytes(free)} free; set cache_dir to a "
+        "filesystem with more room (or free space there)"
     )
 
 
@@ -610,52 +785,130 @@ def _reserve(files: Sequence[Path], name: str, root: Path, n: int, infos: Sequen
 
 
 # --------------------------------------------------------------------------- building
+#
+# Fixed-shape fields are preallocated ``.npy`` memmaps (reserved with posix_fallocate)
+# that every chunk fills in place. A ragged field's size is known only once every sample
+# is transformed, so while filling, chunk c writes its samples' values end to end into
+# its own part file ``field_<k>.part<c>`` (plain writes: a full disk is ENOSPC, never a
+# SIGBUS) and each sample's element count and shape into preallocated memmaps. After the
+# fill, the counts become offsets (a cumulative sum) and the parts are appended in chunk
+# order into ``field_<k>.values.npy`` (copy_file_range: in-kernel, each part deleted once
+# copied, so the peak is the values plus one part). All of it happens in the private
+# temporary directory that is published by one rename, or removed on any failure.
+
+_NO_ROOM = "NoRoom"
+
+
+def _field_files(k: int, info: FieldInfo) -> dict[str, str]:
+    """The file of each role of field ``k``: ``data`` for a fixed field; values, offsets, shapes (decoded)."""
+    if not info.ragged:
+        return {"data": f"field_{k}.npy"}
+    roles = ("values", "offsets", "shapes", "decoded") if info.encoding else ("values", "offsets", "shapes")
+    return {role: f"field_{k}.{role}.npy" for role in roles}
+
+
+def _part_file(k: int, chunk: int) -> str:
+    return f"field_{k}.part{chunk:08d}"
+
+
+def _create_fixed_files(tmp: Path, n: int, infos: list[FieldInfo]) -> list[Path]:
+    """Create every file whose size is known before filling (all but the ragged values)."""
+    made = []
+    for k, info in enumerate(infos):
+        files = _field_files(k, info)
+        if info.ragged:
+            ndim = len(info.shape)
+            shapes = {"offsets": ((n + 1,), np.int64), "shapes": ((n, ndim), np.int64), "decoded": ((n, 3), np.int64)}
+            todo = [(files[r], *shapes[r]) for r in files if r != "values"]
+        else:
+            todo = [(files["data"], (n, *info.shape), np.dtype(info.dtype))]
+        for fname, shape, dtype in todo:
+            f = tmp / fname
+            arr = np.lib.format.open_memmap(f, mode="w+", dtype=dtype, shape=shape)
+            del arr
+            os.chmod(f, 0o600)
+            made.append(f)
+    return made
 
 
 class _FillChunks(torch.utils.data.Dataset):
-    """Runs the static transform over index ranges and writes rows straight into the memmaps.
+    """Runs the static transform over index ranges and writes rows straight into the files.
 
     Used in-process or inside DataLoader workers: each worker opens the temporary
-    ``.npy`` files read-write and fills its own rows, so no sample crosses a pipe.
+    ``.npy`` files read-write and fills its own rows (a ragged field: its own part file,
+    see above), so no sample crosses a pipe.
     """
 
-    def __init__(self, dataset: Any, transform: Callable, files: list[Path], infos: list[FieldInfo],
-                 chunks: list[tuple[int, int]]) -> None:
-        self.dataset, self.transform, self.files, self.infos, self.chunks = dataset, transform, files, infos, chunks
-        self._arrays: list[np.ndarray] | None = None
+    def __init__(self, dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo],
+                 chunks: list[tuple[int, int]], layout: Layout) -> None:
+        self.dataset, self.transform, self.tmp, self.infos = dataset, transform, tmp, infos
+        self.chunks, self.layout = chunks, layout
+        self._arrays: list[dict[str, np.ndarray]] | None = None
 
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def __getitem__(self, k: int) -> int | str:
-        """Fill chunk ``k``; returns the rows written, or the message of a bad sample.
+    def _open(self) -> list[dict[str, np.ndarray]]:
+        return [{role: np.load(self.tmp / f, mmap_mode="r+", allow_pickle=False)
+                 for role, f in _field_files(k, info).items() if role != "values"}
+                for k, info in enumerate(self.infos)]
+
+    def __getitem__(self, c: int) -> int | str:
+        """Fill chunk ``c``; returns the rows written, or the message of a bad sample or a full disk.
 
         Bad input comes back as a value rather than an exception, so a worker's message
         reaches the user as it is, not inside DataLoader's worker traceback.
         """
         if self._arrays is None:
-            self._arrays = [np.load(f, mmap_mode="r+", allow_pickle=False) for f in self.files]
-        a, b = self.chunks[k]
+            self._arrays = self._open()
+        a, b = self.chunks[c]
+        parts: dict[int, Any] = {}
         try:
+            for k, info in enumerate(self.infos):
+                if info.ragged:
+                    fd = os.open(self.tmp / _part_file(k, c), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600)
+                    parts[k] = os.fdopen(fd, "wb")
             for i in range(a, b):
                 _, leaves = flatten(self.transform(self.dataset[i]), i)
                 _check_like(self.infos, leaves, i)
-                for arr, (_, value) in zip(self._arrays, leaves, strict=True):
-                    arr[i] = value
+                for k, (info, (_, value)) in enumerate(zip(self.infos, leaves, strict=True)):
+                    arrays = self._arrays[k]
+                    if not info.ragged:
+                        arrays["data"][i] = value
+                        continue
+                    stored, decoded = self.layout.stored(info, value, i)
+                    arrays["offsets"][i + 1] = stored.size
+                    arrays["shapes"][i] = stored.shape
+                    if decoded is not None:
+                        arrays["decoded"][i] = decoded
+                    parts[k].write(memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8)))
+            for k in list(parts):
+                parts.pop(k).close()  # flushes: a full disk shows here at the latest
         except StoreError as e:
             return f"{type(e).__name__}:{e}"
-        for arr in self._arrays:
-            arr.flush()
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return f"{_NO_ROOM}:{e}"
+            raise
+        finally:
+            for fh in parts.values():
+                with contextlib.suppress(OSError):
+                    fh.close()
+        for arrays in self._arrays:
+            for arr in arrays.values():
+                arr.flush()
         return b - a
 
 
-def _fill(dataset: Any, transform: Callable, files: list[Path], infos: list[FieldInfo], n: int,
-          workers: int, desc: str, progress: bool) -> None:
+def _fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n: int, layout: Layout,
+          workers: int, desc: str, progress: bool, no_room: Callable[[], StoreError]) -> int:
+    """Fill every row; returns the number of chunks (a ragged field has one part file per chunk)."""
     from tqdm.auto import tqdm
 
     chunk = max(1, min(256, math.ceil(n / max(1, workers * 8))))
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-    filler = _FillChunks(dataset, transform, files, infos, chunks)
+    filler = _FillChunks(dataset, transform, tmp, infos, chunks, layout)
     with tqdm(total=n, desc=desc, unit="sample", disable=not progress, leave=False) as bar:
         if workers <= 1:
             results: Any = (filler[k] for k in range(len(chunks)))
@@ -667,8 +920,67 @@ def _fill(dataset: Any, transform: Callable, files: list[Path], infos: list[Fiel
         for done in results:
             if isinstance(done, str):
                 kind, _, message = done.partition(":")
+                if kind == _NO_ROOM:
+                    raise no_room()
                 raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(message)
             bar.update(int(done))
+    return len(chunks)
+
+
+def _copy_into(dst: int, src: Path) -> None:
+    """Append the file ``src`` to the descriptor ``dst`` (in the kernel where it can)."""
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        left = os.fstat(fd).st_size
+        while left > 0:
+            try:
+                done = os.copy_file_range(fd, dst, left) if hasattr(os, "copy_file_range") else 0
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                done = 0
+            if done == 0:  # no in-kernel copy here: read and write
+                block = os.read(fd, min(left, _CRC_BLOCK))
+                if not block:
+                    break
+                view = memoryview(block)
+                while len(view):
+                    view = view[os.write(dst, view):]
+                done = len(block)
+            left -= done
+    finally:
+        os.close(fd)
+
+
+def _join_ragged(tmp: Path, k: int, info: FieldInfo, chunks: int) -> None:
+    """Counts -> offsets, and the chunks' part files -> ``values`` (see the note above ``_FillChunks``)."""
+    files = _field_files(k, info)
+    offsets = np.load(tmp / files["offsets"], mmap_mode="r+", allow_pickle=False)
+    offsets[0] = 0
+    np.cumsum(offsets[1:], out=offsets[1:])
+    offsets.flush()
+    total = int(offsets[-1])
+    del offsets
+    dtype = np.dtype(info.dtype)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (total,)})
+    path = tmp / files["values"]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(header.getvalue())
+        while len(view):
+            view = view[os.write(fd, view):]
+        for c in range(chunks):
+            part = tmp / _part_file(k, c)
+            _copy_into(fd, part)
+            os.unlink(part)
+    finally:
+        os.close(fd)
+    expected = len(header.getvalue()) + total * dtype.itemsize
+    if os.stat(path).st_size != expected:  # a bug, not bad input: never publish it
+        raise RuntimeError(f"lightning_fastdata: joining the values of field '{info.name}' gave "
+                           f"{os.stat(path).st_size} bytes, expected {expected}")
 
 
 def _single_thread_worker(_: int) -> None:
@@ -702,6 +1014,10 @@ def build_store(
     warn: Callable[[str], None] | None = None,
     lock_timeout_s: float | None = None,
     field_kinds: Mapping[str, str] | None = None,
+    ragged: Sequence[str] | None = None,
+    encode: Mapping[str, str] | None = None,
+    jpeg_quality: int = 90,
+    max_side: int | None = None,
 ) -> Store:
     """Materialise ``transform(dataset[i])`` for every ``i`` into a cached store, or reuse it.
 
@@ -743,6 +1059,17 @@ def build_store(
         field_kinds: Field name -> "image" | "mask" | "other", over the kinds found from
             ``tv_tensors`` types (see :func:`field_kinds`); recorded in the manifest and
             part of the fingerprint.
+        ragged: Fields whose shape may change from sample to sample (the number of
+            dimensions and the dtype may not): stored end to end with offsets and
+            per-sample shapes (a :class:`~lightning_fastdata.ragged.RaggedArray`).
+        encode: Field -> "jpeg": the field (a uint8 ``(C, H, W)`` image, or JPEG bytes
+            as a uint8 1-D tensor) is stored as JPEG bytes, a ragged field that also
+            records each image's decoded shape (see :mod:`lightning_fastdata.encode`).
+        jpeg_quality: Quality of store-time JPEG encoding, 1-100.
+        max_side: Longest side of an encoded image, after an antialiased resize that
+            keeps the aspect ratio; ``None`` keeps the size. ``ragged``, ``encode``,
+            ``jpeg_quality`` and ``max_side`` are part of the fingerprint (the last two
+            only with ``encode``).
 
     Raises:
         StoreError: for an empty dataset, samples that cannot form one store, a full
@@ -750,6 +1077,7 @@ def build_store(
             Nothing half-written is left.
     """
     warn = warn or _warn
+    layout = Layout.of(ragged, encode, jpeg_quality, max_side)
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("."):
         raise StoreError(f"split name {name!r} must be letters, digits, '_', '-' or '.' (it names a directory)")
     try:
@@ -764,10 +1092,12 @@ def build_store(
     base = ensure_cache_dir(cache_dir)
     root = _dir_for(base, namespace)
     sweep_temporaries(root)
-    probe = _probe(dataset, transform, n, probes)
+    probe = _probe(dataset, transform, n, probes, layout)
     if field_kinds:
         probe.infos = _override_kinds(probe.infos, field_kinds)
         config = {**(config or {}), "field_kinds": dict(field_kinds)}
+    if layout.config():
+        config = {**(config or {}), **layout.config()}
     listed = F.discover_files(dataset) if files is None else [os.fspath(f) for f in files]
     fp = _fingerprint(dataset, transform, n, probe, cache_key, config, listed)
     digest = fp.digest
@@ -793,7 +1123,7 @@ def build_store(
             _warn_what_changed(root, name, final, fp, warn)
         _check_deterministic(dataset, transform, probe, warn)
         _build(dataset, transform, root, final, name, n, namespace, fp, probe, num_workers, progress,
-               parallel_threshold_s)
+               parallel_threshold_s, layout)
     return open_store(final, verify=False, expect_fingerprint=digest)
 
 
@@ -863,28 +1193,41 @@ def _warn_what_changed(root: Path, name: str, final: Path, fp: F.Fingerprint, wa
     )
 
 
+def _manifest_field(tmp: Path, k: int, info: FieldInfo) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "dtype": info.dtype, "shape": list(info.shape),
+                             "ragged": info.ragged}
+    if info.ragged:
+        entry["encoding"] = info.encoding
+    entry["files"] = {role: {"file": f, "bytes": (tmp / f).stat().st_size, "crc32": _crc32(tmp / f)}
+                      for role, f in _field_files(k, info).items()}
+    return entry
+
+
 def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str, n: int, namespace: str,
            fp: F.Fingerprint, probe: _Probe, num_workers: int | None, progress: bool,
-           parallel_threshold_s: float) -> None:
+           parallel_threshold_s: float, layout: Layout) -> None:
     """Write the store into a temporary directory and publish it by one rename; leave nothing on failure."""
     infos = probe.infos
     _check_space(name, root, n, infos)
+    free = shutil.disk_usage(root).free  # for the message, should the disk fill up while writing
     host = socket.gethostname().replace("~", "-")
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}~{host}~{os.getpid()}~", dir=root))
     try:
-        files = []
-        for k, info in enumerate(infos):
-            f = tmp / f"field_{k}.npy"
-            arr = np.lib.format.open_memmap(f, mode="w+", dtype=np.dtype(info.dtype), shape=(n, *info.shape))
-            del arr
-            os.chmod(f, 0o600)
-            files.append(f)
-        _reserve(files, name, root, n, infos)
+        _reserve(_create_fixed_files(tmp, n, infos), name, root, n, infos)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         workers = num_workers if num_workers is not None else (
             min(cores, 8) if probe.per_sample_s * n > parallel_threshold_s and cores > 1 else 0
         )
-        _fill(dataset, transform, files, infos, n, workers, f"fastdata: caching '{name}'", progress)
+        chunks = _fill(dataset, transform, tmp, infos, n, layout, workers, f"fastdata: caching '{name}'", progress,
+                       lambda: _no_room(name, root, free, n, infos))
+        try:
+            for k, info in enumerate(infos):
+                if info.ragged:
+                    _join_ragged(tmp, k, info, chunks)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _no_room(name, root, free, n, infos) from e
+            raise
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -894,11 +1237,7 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
             "fingerprint": fp.digest,
             "fingerprint_components": fp.components,
             "spec": probe.spec,
-            "fields": [
-                {"name": i.name, "kind": i.kind, "file": f.name, "dtype": i.dtype, "shape": list(i.shape),
-                 "bytes": f.stat().st_size, "crc32": _crc32(f)}
-                for i, f in zip(infos, files, strict=True)
-            ],
+            "fields": [_manifest_field(tmp, k, info) for k, info in enumerate(infos)],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         manifest["manifest_crc32"] = _manifest_crc(manifest)

@@ -63,3 +63,31 @@ def both_paths(request, monkeypatch):
     """Run a test on the CPU's host shortcuts (nonzero) and on the sync-free accelerator code."""
     monkeypatch.setattr(augment_base, "HOST_SHORTCUTS", request.param == "cpu-shortcuts")
     return request.param
+
+
+#: Sample sizes of the ragged-batch tests: portrait, landscape, square, tiny and wide.
+RAGGED_SIZES = [(40, 30), (25, 61), (33, 33), (80, 20), (18, 50), (21, 22)]
+
+
+def ragged(sizes=RAGGED_SIZES, dtype=torch.uint8, channels: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    """Images of varying sizes (a ragged batch, as decoded JPEGs come)."""
+    out = []
+    for i, (h, w) in enumerate(sizes):
+        x = images(1, shape=(channels, h, w), seed=seed + i)[0]
+        out.append(x if dtype == torch.uint8 else x.to(dtype) / 255)
+    return out
+
+
+def ragged_masks(sizes=RAGGED_SIZES) -> list[torch.Tensor]:
+    """Label maps (H, W) aligned with ``ragged(sizes)``, int64 with values 0..6."""
+    return [(torch.arange(h * w).view(h, w) * 7 // 5) % 7 for h, w in sizes]
+
+
+@pytest.fixture(params=["mirror-in-cut", "mirror-after-cut"])
+def mirror_regimes(request, monkeypatch):
+    """Run a test with every window mirrored along the last axis inside the cut (mirrored
+    sources, as for small windows) and after it (in place, as for large windows)."""
+    from lightning_fastdata import augment_crop
+
+    monkeypatch.setattr(augment_crop, "MIRROR_AFTER_ELEMENTS", 1 << 62 if request.param == "mirror-in-cut" else 0)
+    return request.param

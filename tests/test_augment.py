@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _augment_util import both_paths, images, keys, within_binomial  # noqa: F401
+from _augment_util import (  # noqa: F401
+    both_paths,
+    images,
+    keys,
+    mirror_regimes,
+    ragged,
+    ragged_masks,
+    within_binomial,
+)
 
 from lightning_fastdata import augment as A
 from lightning_fastdata.keys import SampleKeys
@@ -208,8 +216,15 @@ def test_fields_must_be_aligned_and_batches_well_formed():
         A.Batch({"image": img}, keys=keys(5))
     with pytest.raises(ValueError, match="give spatial_dims"):
         A.Batch({"image": torch.zeros(2, 2, 3, 8, 8, 8)})
-    with pytest.raises(TypeError, match="ragged"):
-        A.Batch({"image": [torch.zeros(3, 8, 8)]}, spatial_dims=2)
+    two = [torch.zeros(3, 8, 8), torch.zeros(3, 6, 9)]
+    with pytest.raises(TypeError, match="all tensors or all lists"):
+        A.Batch({"image": two, "mask": torch.zeros(2, 8, 8)}, {"image": "image", "mask": "mask"})
+    with pytest.raises(ValueError, match="at sample 1"):
+        A.Batch({"image": two, "mask": [torch.zeros(8, 8), torch.zeros(9, 6)]}, {"image": "image", "mask": "mask"})
+    with pytest.raises(ValueError, match=r"image\[1\]' \(image\) has shape \(6, 9\)"):
+        A.Batch({"image": [torch.zeros(3, 8, 8), torch.zeros(6, 9)]})
+    with pytest.raises(ValueError, match="empty list"):
+        A.Batch({"image": []}, spatial_dims=2)
     with pytest.raises(ValueError, match="spatial_dims=2"):
         A.RandomCrop(4)(torch.zeros(2, 8, 8))
     with pytest.raises(TypeError, match="SampleKeys, not a torch.Generator"):
@@ -217,6 +232,55 @@ def test_fields_must_be_aligned_and_batches_well_formed():
     b = A.Batch({"image": img, "label": torch.zeros(2, 8, 8)}, {"label": "mask", "image": "image"})
     assert b.spatial_dims == 2 and b.spatial_size == (8, 8) and b.names("mask") == ["label"]
     assert torch.equal(b.keys.index, torch.arange(2)) and "label: mask" in repr(b)
+    r = A.Batch({"image": two, "label": [torch.zeros(8, 8), torch.zeros(6, 9)]}, {"label": "mask", "image": "image"})
+    assert r.ragged and not b.ragged and r.spatial_dims == 2 and r.spatial_size == [(8, 8), (6, 9)]
+    assert "image: image list of 2 (3-D)" in repr(r) and len(r) == 2
+
+
+# ----------------------------------------------------------------------------- ragged batches (lists)
+
+
+@pytest.mark.parametrize("op", [A.RandomHorizontalFlip(), A.ColorJitter(0.4, 0.4, 0.4), A.RandomRotation(20),
+                                A.RandomApply([A.RandomErasing(p=1.0)], p=0.5)], ids=_name)
+def test_ops_without_a_list_form_run_per_sample_with_the_sample_keys(op, monkeypatch):
+    """On a list, an op that keeps sizes runs once per sample (a batch of one with that sample's
+    keys): each sample gets the pixels it would get in any batch tensor; the list stays a list,
+    and a warning (once per op) says to move the op after the size-fixing one."""
+    from lightning_fastdata import augment_base
+
+    monkeypatch.setattr(augment_base, "_WARNED", set())
+    xs = ragged(dtype=torch.float32)
+    k = SampleKeys(3, 1, torch.arange(10, 10 + len(xs)))
+    with pytest.warns(UserWarning, match=f"{_name(op)} runs once per sample"):
+        out = op(xs, k)
+    assert isinstance(out, list) and len(out) == len(xs)
+    for i, x in enumerate(xs):
+        alone = op(x[None], k.take(torch.tensor([i])))
+        assert torch.equal(out[i], alone[0]), i
+    if not isinstance(op, A.RandomApply):  # its apply draws the inner ops from the keys too
+        again = op.apply(A.Batch({"image": xs}, keys=k), **op.draw(xs, k))
+        assert all(torch.equal(a, b) for a, b in zip(again.fields["image"], out, strict=True))
+
+
+def test_compose_fixes_the_size_then_runs_batched():
+    xs, ms = ragged(), ragged_masks()
+    batch = A.Batch({"image": xs, "mask": ms, "label": torch.arange(len(xs))},
+                    {"image": "image", "mask": "mask"}, keys(len(xs), seed=1))
+    aug = A.Compose([A.RandomResizedCrop(16), A.RandomHorizontalFlip(), A.Normalize([0.5] * 3, [0.2] * 3)])
+    out = aug(batch)
+    assert out.fields["image"].shape == (len(xs), 3, 16, 16) and out.fields["image"].dtype == torch.float32
+    assert out.fields["mask"].shape == (len(xs), 16, 16) and out.fields["label"] is batch.fields["label"]
+    # the same ops one after the other, with each op's child keys
+    step = A.RandomResizedCrop(16)(batch, batch.keys.child(0))
+    step = A.RandomHorizontalFlip()(step, batch.keys.child(1))
+    assert torch.equal(out.fields["mask"], step.fields["mask"])
+    # RandomCrop + flip fuse on batch tensors only; on a list they run in sequence, same result
+    fused = A.Compose([A.RandomCrop(20, pad_if_needed=True), A.RandomHorizontalFlip()])(xs, keys(len(xs)))
+    crop = A.RandomCrop(20, pad_if_needed=True)(xs, keys(len(xs)).child(0))
+    assert torch.equal(fused, A.RandomHorizontalFlip()(crop, keys(len(xs)).child(1)))
+    # eval: Resize(int) keeps a list, CenterCrop makes the batch
+    ev = A.Compose([A.Resize(20), A.CenterCrop(18)])(xs)
+    assert ev.shape == (len(xs), 3, 18, 18)
 
 
 # ----------------------------------------------------------------------------- Compose and RandomApply
@@ -336,6 +400,7 @@ def test_ops_build_from_a_lightning_cli_config():
     assert "RandomCropByLabel(size=(4, 6, 6), pos=2.0, neg=1.0, label='label')" in repr(aug)
 
 
+@pytest.mark.usefixtures("mirror_regimes")
 def test_the_accelerator_path_never_reads_device_values_on_the_host(monkeypatch):
     """A CPU stand-in for the CUDA sync test: with the host shortcuts off (as on any accelerator)
     no op calls nonzero, item, tolist, numpy or bool() on a tensor, any of which would make the
@@ -350,6 +415,10 @@ def test_the_accelerator_path_never_reads_device_values_on_the_host(monkeypatch)
     ops = [(o, b2 if isinstance(o, (A.RandomCrop, A.RandomFlip, A.RandomRot90)) else x2) for o in _ops_2d()]
     ops += [(o, b3) for o in _ops_3d()] + [(A.RandomErasing(value="random"), x2), (A.ToDtype("float32"), b2),
                                            (A.Normalize([0.5] * 3, [0.2] * 3), b2)]
+    xs = A.Batch({"image": ragged(), "mask": ragged_masks()}, {"image": "image", "mask": "mask"}, keys(6))
+    ops += [(A.RandomResizedCrop(12), xs), (A.RandomCrop(24, pad_if_needed=True), xs), (A.Resize(14), xs),
+            (A.Resize((14, 12)), xs), (A.CenterCrop(20), xs), (A.Compose([A.Resize(14), A.CenterCrop(12)]),
+                                                              A.Batch({"image": ragged()}, keys=keys(6)))]
     for op, _ in ops:  # warm-up: constants are made once per (values, device, dtype)
         op(_)
 

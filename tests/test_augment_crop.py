@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _augment_util import both_paths, images, keys, within_binomial  # noqa: F401
+from _augment_util import (  # noqa: F401
+    both_paths,
+    images,
+    keys,
+    mirror_regimes,
+    ragged,
+    ragged_masks,
+    within_binomial,
+)
 from torchvision.transforms.v2 import functional as TF
 
 from lightning_fastdata import augment as A
@@ -190,6 +198,65 @@ def test_window_crop_on_prepadded_input():
     assert torch.equal(out, _reference_crop(x, offset, (4, 5), (0, 0), 0, mask))
 
 
+@pytest.mark.parametrize("shape,size,padding", [((5, 2, 7, 9), (4, 6), (1, 2)), ((6, 1, 6, 7, 8), (3, 4, 5), (0, 0, 0)),
+                                                ((4, 2, 3, 5, 6, 7), (5, 4, 3), (1, 0, 2))])
+@pytest.mark.usefixtures("both_paths")
+def test_window_crop_mirrors_rows_like_torch_flip(shape, size, padding):
+    """``mirror_rows`` (and ``flip``) cut windows mirrored along any spatial axes: pad, slice, torch.flip."""
+    x = _batch(shape, torch.int16, seed=13)
+    n, sd = shape[0], len(size)
+    g = torch.Generator().manual_seed(14)
+    offset = torch.stack([torch.randint(0, s + 2 * p - c + 1, (n,), generator=g)
+                          for s, p, c in zip(shape[-sd:], padding, size, strict=True)], 1)
+    mirror = torch.rand(n, sd, generator=g) < 0.5
+    mirror[0] = True
+    mirror[1] = False
+    out = window_crop(x, offset, size, sd, mirror[:, -1], padding, 7, mirror[:, :-1])
+    ref = _reference_crop(x, offset, size, padding, 7)
+    for i in range(n):
+        axes = [d - sd for d in range(sd) if mirror[i, d]]
+        assert torch.equal(out[i], ref[i].flip(axes) if axes else ref[i])
+
+
+@pytest.mark.parametrize("dims", [(-1,), (-2,), (-3,), (-3, -1), (-2, -1), (-3, -2, -1), (-1, -3)])
+@pytest.mark.parametrize("crop", ["random", "label"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.float32])
+@pytest.mark.usefixtures("both_paths", "mirror_regimes")
+def test_fused_crop_and_flip_over_any_axes_equal_the_ops_in_sequence(dims, crop, dtype):
+    """Compose cuts RandomCrop / RandomCropByLabel windows mirrored by the following RandomFlip
+    in one pass: the same draws, a bit-identical image and mask to the ops one after the other,
+    and to slicing + torch.flip at the drawn parameters."""
+    n = 7
+    vol = _batch((n, 2, 9, 10, 11), dtype, seed=15)
+    lab = _labels(n, (9, 10, 11), fg_share=0.1, seed=16)
+    batch = A.Batch({"image": vol, "label": lab}, {"image": "image", "label": "mask"}, keys(n, seed=17))
+    first = (A.RandomCrop((5, 6, 7), padding=(1, 0, 2), fill=3) if crop == "random"
+             else A.RandomCropByLabel((5, 6, 7), pos=1, neg=1, label="label"))
+    flip = A.RandomFlip(dims=dims, p=0.5)
+    fused = A.Compose([first, flip])(batch)
+    seq = flip(first(batch, batch.keys.child(0)), batch.keys.child(1))
+    offset = first.draw(batch, batch.keys.child(0))["offset"]
+    mirror = flip.draw(batch, batch.keys.child(1))["flip"]
+    assert bool(mirror.any()) and not bool(mirror.all())
+    pad = (1, 0, 2) if crop == "random" else (0, 0, 0)
+    for name, x, fill in (("image", vol, 3 if crop == "random" else 0), ("label", lab, 0)):
+        assert fused.fields[name].dtype == x.dtype
+        assert torch.equal(fused.fields[name], seq.fields[name])
+        ref = _reference_crop(x, offset, (5, 6, 7), pad, fill)
+        for i in range(n):
+            axes = [d for j, d in enumerate(dims) if mirror[i, j]]
+            assert torch.equal(fused.fields[name][i], ref[i].flip(axes) if axes else ref[i])
+
+
+@pytest.mark.usefixtures("mirror_regimes")
+def test_fused_crop_and_flip_in_2d_with_a_vertical_flip():
+    x = _batch((9, 3, 12, 14), torch.uint8, seed=18)
+    k = keys(9, seed=19)
+    for flip in (A.RandomVerticalFlip(), A.RandomFlip(dims=(-2, -1))):
+        aug = A.Compose([A.RandomCrop((8, 9), padding=2), flip])
+        assert torch.equal(aug(x, k), flip(A.RandomCrop((8, 9), padding=2)(x, k.child(0)), k.child(1)))
+
+
 @pytest.mark.parametrize("padding", [(4, 4), (0, 3), (2, 0), (1, 5)])
 def test_wide_images_border_fill_matches_pad(padding):
     """Wide rows take the border-only fill path; the padding must be exact, whatever was in the buffer."""
@@ -217,6 +284,66 @@ def test_random_crop_refuses_bad_sizes():
         A.RandomCrop((4, 4, 4))(torch.zeros(2, 1, 8, 8))
     with pytest.raises(ValueError, match="size"):
         A.RandomCrop(0)
+
+
+def _tv_random_crop(x, offset, size, padding, fill):
+    """torchvision's RandomCrop(size, padding, pad_if_needed=True) at a given corner in the padded input."""
+    h, w = x.shape[-2:]
+    ph = padding + max(0, size[0] - (h + 2 * padding))
+    pw = padding + max(0, size[1] - (w + 2 * padding))
+    padded = TF.pad(x, [pw, ph, pw, ph], fill=fill)
+    return TF.crop(padded, int(offset[0]), int(offset[1]), size[0], size[1])
+
+
+@pytest.mark.parametrize("padding", [0, 3])
+@pytest.mark.usefixtures("both_paths")
+def test_random_crop_pad_if_needed_of_a_list_equals_torchvision(padding):
+    """Each sample is padded as it needs (torchvision adds the shortfall on both sides) and
+    cropped at its own offset; masks follow with 0 padding; the list becomes a batch."""
+    from torchvision import tv_tensors
+
+    xs, ms = ragged(), ragged_masks()
+    batch = A.Batch({"image": xs, "mask": ms}, {"image": "image", "mask": "mask"}, keys(len(xs), seed=2))
+    op = A.RandomCrop((30, 36), padding=padding, fill=7, pad_if_needed=True)
+    p = op.draw(batch)
+    out = op.apply(batch, **p)
+    assert out.fields["image"].shape == (len(xs), 3, 30, 36) and out.fields["mask"].shape == (len(xs), 30, 36)
+    for i, x in enumerate(xs):
+        spans = zip(x.shape[1:], (30, 36), strict=True)
+        high = [s + 2 * padding + 2 * max(0, c - s - 2 * padding) - c for s, c in spans]
+        assert 0 <= p["offset"][i, 0] <= high[0] and 0 <= p["offset"][i, 1] <= high[1]
+        assert torch.equal(out.fields["image"][i], _tv_random_crop(x, p["offset"][i], (30, 36), padding, 7)), i
+        ref = _tv_random_crop(tv_tensors.Mask(ms[i]), p["offset"][i], (30, 36), padding, 0)
+        assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
+    assert torch.equal(op(batch).fields["image"], out.fields["image"])
+
+
+def test_random_crop_of_a_list_draws_as_a_batch_tensor():
+    same = ragged([(20, 24)] * 5)
+    op = A.RandomCrop(12, padding=2)
+    assert torch.equal(op.draw(same, keys(5))["offset"], op.draw(torch.stack(same), keys(5))["offset"])
+    assert torch.equal(op(same, keys(5)), op(torch.stack(same), keys(5)))
+    # 3-D volumes of varying sizes, padded where needed
+    sizes = [(5, 6, 7), (3, 9, 4), (8, 8, 8)]
+    vols = [torch.randn(1, d, h, w, generator=torch.Generator().manual_seed(d)) for d, h, w in sizes]
+    out = A.RandomCrop(6, pad_if_needed=True)(vols)
+    assert out.shape == (3, 1, 6, 6, 6)
+    with pytest.raises(ValueError, match=r"sample 0 padded, \(5, 6, 7\)"):
+        A.RandomCrop(6)(vols)
+
+
+def test_random_crop_pad_if_needed_on_a_batch_tensor_equals_torchvision():
+    import torchvision.transforms.v2 as T
+
+    x = images(4, shape=(3, 10, 30))
+    op = A.RandomCrop((16, 20), pad_if_needed=True, fill=3)
+    p = op.draw(x, keys(4, seed=6))
+    out = op.apply(x, **p)
+    for i in range(4):
+        assert torch.equal(out[i], _tv_random_crop(x[i], p["offset"][i], (16, 20), 0, 3))
+    torch.manual_seed(0)
+    tv = T.RandomCrop((16, 20), pad_if_needed=True).make_params([x[0]])
+    assert tv["padding"] == [0, 6, 0, 6] and op.draw(x, keys(4))["offset"][:, 0].max() <= 12
 
 
 # ----------------------------------------------------------------------------- RandomCropByLabel
@@ -297,6 +424,49 @@ def test_crop_by_label_falls_back_when_a_sample_lacks_foreground_or_background()
     assert p["center"][2].tolist() == [4, 4] and p["offset"][2].tolist() == [2, 2]
     p = A.RandomCropByLabel(3, pos=0, neg=1).draw(batch)
     assert p["foreground"].tolist() == [False, True, False, False]  # sample 1 has no background
+
+
+def _plain_draw(lab, u, p_fg):
+    """The straightforward draw: a running count over every voxel of the chosen set, then
+    the first voxel whose count exceeds k (flat indices (N,), foreground (N,))."""
+    n = lab.shape[0]
+    fg = (lab.to(torch.float64) > 0).reshape(n, -1, math.prod(lab.shape[2:])).any(1)
+    count_fg = fg.sum(1)
+    count_bg = fg.shape[1] - count_fg
+    use_fg = torch.where(count_fg == 0, False, torch.where(count_bg == 0, True, u[:, 0] < p_fg))
+    chosen = torch.where(use_fg.view(n, 1), fg, ~fg)
+    count = torch.where(use_fg, count_fg, count_bg)
+    k = torch.minimum(torch.floor(u[:, 1] * count.double()).long(), count - 1)
+    flat = torch.searchsorted(torch.cumsum(chosen, 1), (k + 1).view(n, 1)).view(n)
+    return flat, use_fg
+
+
+@pytest.mark.parametrize("shape", [(6, 1, 9, 11), (5, 1, 64, 48), (5, 1, 37, 41, 29), (4, 3, 6, 7, 8),
+                                   (4, 1, 32, 32, 32), (4, 2, 30, 50)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.float32, torch.bool, torch.uint16])
+@pytest.mark.parametrize("pos,neg", [(1, 1), (1, 0), (0, 1), (1, 3)])
+@pytest.mark.usefixtures("both_paths")
+def test_crop_by_label_draw_equals_a_running_count_over_every_voxel(shape, dtype, pos, neg):
+    """The two-level draw (counts per block of voxels, then one block) gives the centres of a
+    running count over every voxel: 2-D and 3-D, several label channels and values, sizes
+    that are and are not a multiple of the block, an all-background and an all-foreground
+    sample, label values <= 0 as background."""
+    g = torch.Generator().manual_seed(sum(shape))
+    lab = (torch.rand(shape, generator=g) < 0.05).to(torch.int16) * torch.randint(1, 4, shape, generator=g,
+                                                                                    dtype=torch.int16)
+    if dtype.is_signed or dtype.is_floating_point:
+        lab = lab - (torch.rand(shape, generator=g) < 0.05).to(torch.int16)  # negatives are background
+    lab[0] = 0  # no foreground
+    lab[1] = 2  # no background
+    lab = lab.to(torch.int32).to(dtype) if dtype != torch.bool else lab > 0
+    n, sd = shape[0], len(shape) - 2
+    batch = A.Batch({"label": lab}, {"label": "mask"}, keys(n, seed=7, start=40), spatial_dims=sd)
+    p = A.RandomCropByLabel(1, pos=pos, neg=neg).draw(batch)
+    flat, use_fg = _plain_draw(lab, batch.keys.uniform(0, 2, dtype=torch.float64), pos / (pos + neg))
+    strides = torch.tensor([math.prod(shape[2 + d + 1:]) for d in range(sd)])
+    assert torch.equal((p["center"] * strides).sum(1), flat)
+    assert torch.equal(p["foreground"], use_fg)
+    assert p["foreground"][:2].tolist() == [False, True]
 
 
 def test_crop_by_label_refuses_bad_setups():

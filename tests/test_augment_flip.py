@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _augment_util import both_paths, keys, within_binomial  # noqa: F401
+from _augment_util import both_paths, keys, mirror_regimes, within_binomial  # noqa: F401
 from torchvision.transforms.v2 import functional as TF
 
 from lightning_fastdata import augment as A
@@ -36,9 +36,12 @@ def test_vertical_flip_is_a_flip_of_h():
 
 
 @pytest.mark.parametrize("shape,dims", [((9, 2, 4, 5, 6), (-3, -2, -1)), ((9, 1, 4, 5, 6), (-3,)),
-                                        ((9, 3, 5, 6), (-2, -1))])
-@pytest.mark.usefixtures("both_paths")
+                                        ((9, 3, 5, 6), (-2, -1)), ((9, 1, 4, 5, 6), (-1,)),
+                                        ((9, 1, 4, 5, 6), (-1, -3)), ((9, 2, 5, 6), (-2,))])
+@pytest.mark.usefixtures("both_paths", "mirror_regimes")
 def test_random_flip_equals_torch_flip_per_axis(shape, dims):
+    """Whole-sample flips one axis at a time (small samples) or every axis in one pass, the
+    rows read in mirrored order and the last axis mirrored in place (large samples)."""
     x = _data(shape, seed=1)
     mask = x[:, 0] > 128  # (N, *spatial) without a channel dim
     batch = A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"}, keys(9, seed=2))

@@ -124,3 +124,67 @@ def test_intensity_ops_leave_masks_untouched(op):
     out = op(batch)
     assert out.fields["label"] is lab
     assert not torch.equal(out.fields["image"], img)
+
+
+def _one_by_one(x, op, params):
+    """The intensity ops as plain tensor formulas, one op at a time (each a full pass)."""
+    if isinstance(op, A.ScaleIntensityRange):
+        scale = (op.b_max - op.b_min) / (op.a_max - op.a_min)
+        target = getattr(torch, op.dtype)
+        dt = torch.float64 if torch.float64 in (x.dtype, target) else torch.float32
+        out = x.to(dt).mul(scale).add_(op.b_min - op.a_min * scale)
+        return (out.clamp_(op.b_min, op.b_max) if op.clip else out).to(target)
+    y = x if x.is_floating_point() else x.to(torch.float32)
+    per = (1.0 + params["factor"] if "factor" in params else params["offset"]).to(y.dtype)
+    per = per.view(-1, *[1] * (y.ndim - 1))
+    return y * per if "factor" in params else y + per
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint16, torch.uint8, torch.float16, torch.bfloat16,
+                                   torch.float32, torch.float64])
+@pytest.mark.parametrize("target", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("chunk", [1 << 19, 500, 37], ids=["whole-samples", "samples-per-chunk", "pieces"])
+def test_compose_chains_intensity_ops_bit_identical_to_one_by_one(dtype, target, chunk, monkeypatch):
+    """Consecutive ScaleIntensityRange / RandomScaleIntensity / RandomShiftIntensity run as one
+    chain of elementwise steps over cache-sized chunks: the same draws and the same bits as the
+    ops one after the other, and as their plain formulas; masks untouched."""
+    from lightning_fastdata import augment, augment_intensity
+
+    monkeypatch.setattr(augment_intensity, "POINTWISE_CHUNK", chunk)
+    chains = []
+    real = augment.run_pointwise
+    monkeypatch.setattr(augment, "run_pointwise", lambda b, chain: chains.append(len(chain)) or real(b, chain))
+    x = _ct(5, (2, 6, 7, 8), dtype, seed=3)
+    if dtype.is_floating_point:
+        x = (x.double() * 0.37).to(dtype)
+    second = x[:, :1].to(torch.float32) * 2  # another image field, another dtype
+    lab = (second[:, 0] > 0).to(torch.uint8)
+    batch = A.Batch({"image": x, "second": second, "label": lab},
+                    {"image": "image", "second": "image", "label": "mask"}, keys(5, seed=4))
+    ops = [A.ScaleIntensityRange(-1000, 1000, -1.0, 1.0, clip=True, dtype=target), A.RandomScaleIntensity(0.1, p=0.7),
+           A.RandomShiftIntensity(0.05, p=0.7), A.RandomScaleIntensity((-0.2, 0.3)), A.RandomAdjustContrast(),
+           A.RandomShiftIntensity(0.5)]
+    fused = A.Compose(ops)(batch)
+    assert chains == [4]  # the contrast op ends the chain; the last op runs alone
+    seq = batch
+    for i, op in enumerate(ops):
+        seq = op(seq, batch.keys.child(i))
+    for name in ("image", "second"):
+        plain = batch.fields[name]
+        for i, op in enumerate(ops[:4]):
+            plain = _one_by_one(plain, op, op.draw(batch, batch.keys.child(i)))
+        partial = A.Compose(ops[:4])(batch).fields[name]
+        assert partial.dtype == plain.dtype and torch.equal(partial, plain)
+        assert fused.fields[name].dtype == seq.fields[name].dtype
+        assert torch.equal(fused.fields[name], seq.fields[name])
+    assert fused.fields["label"] is lab
+
+
+def test_intensity_chain_keeps_channels_last_and_the_input():
+    x = _ct(3, (1, 4, 5, 6)).float().contiguous(memory_format=torch.channels_last_3d)
+    keep = x.clone()
+    ops = [A.ScaleIntensityRange(-1000, 1000), A.RandomScaleIntensity(0.2)]
+    out = A.Compose(ops)(x, keys(3))
+    assert out.is_contiguous(memory_format=torch.channels_last_3d)
+    assert torch.equal(out, ops[1](ops[0](x, keys(3).child(0)), keys(3).child(1)))
+    assert torch.equal(x, keep)

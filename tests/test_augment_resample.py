@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
-from _augment_util import both_paths, close, images, keys, ks_ok, tv_params  # noqa: F401
+from _augment_util import both_paths, close, images, keys, ks_ok, ragged, ragged_masks, tv_params  # noqa: F401
 from torchvision import tv_tensors
 
 from lightning_fastdata import augment as A
@@ -23,6 +23,7 @@ def _box(n=4):
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
 @pytest.mark.parametrize("antialias", [True, False])
+@pytest.mark.usefixtures("both_paths")
 def test_random_resized_crop_equals_torchvision(dtype, antialias):
     x = images(4, dtype=dtype)
     op = A.RandomResizedCrop((16, 12), antialias=antialias)
@@ -32,6 +33,47 @@ def test_random_resized_crop_equals_torchvision(dtype, antialias):
         ref = TF.resized_crop(x[i], int(b["top"][i]), int(b["left"][i]), int(b["height"][i]), int(b["width"][i]),
                               [16, 12], antialias=antialias)
         close(out[i], ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+@pytest.mark.usefixtures("both_paths")
+def test_random_resized_crop_of_a_list_equals_torchvision_per_sample(dtype):
+    """Variable-size images (a ragged batch) become one batch; each box is drawn from its
+    own sample's size and resized as torchvision's resized_crop; masks follow, nearest."""
+    xs, ms = ragged(dtype=dtype), ragged_masks()
+    batch = A.Batch({"image": xs, "mask": ms}, {"image": "image", "mask": "mask"}, keys(len(xs), seed=9))
+    op = A.RandomResizedCrop((16, 12))
+    p = op.draw(batch)
+    out = op.apply(batch, **p)
+    assert out.fields["image"].shape == (len(xs), 3, 16, 12) and out.fields["mask"].shape == (len(xs), 16, 12)
+    for i, x in enumerate(xs):
+        box = [int(p[k][i]) for k in ("top", "left", "height", "width")]
+        assert box[0] + box[2] <= x.shape[1] and box[1] + box[3] <= x.shape[2], (i, box)
+        close(out.fields["image"][i], TF.resized_crop(x, *box, [16, 12], antialias=True))
+        ref = TF.resized_crop(tv_tensors.Mask(ms[i]), *box, [16, 12]).as_subclass(torch.Tensor)
+        assert torch.equal(out.fields["mask"][i], ref), i
+    assert torch.equal(op(batch).fields["image"], out.fields["image"])
+
+
+def test_random_resized_crop_draws_each_box_from_its_own_sample():
+    """A sample's box in a list is the box it gets alone in a batch tensor (same keys), and
+    the central fallback follows each sample's aspect ratio."""
+    sizes = [(40, 30), (25, 61), (8, 90), (90, 8), (33, 33)]
+    xs = ragged(sizes)
+    k = keys(len(xs), seed=4)
+    op = A.RandomResizedCrop(8, scale=(0.9, 1.0), ratio=(0.9, 1.1))  # thin samples fall back
+    p = op.draw(xs, k)
+    for i, x in enumerate(xs):
+        alone = op.draw(x[None], k.take(torch.tensor([i])))
+        assert all(int(alone[name][0]) == int(p[name][i]) for name in p), (i, alone, p)
+    # torchvision's fallback, per sample: the central crop at the nearest allowed ratio
+    assert [int(p[n][2]) for n in ("top", "left", "height", "width")] == [0, 40, 8, 9]
+    assert [int(p[n][3]) for n in ("top", "left", "height", "width")] == [40, 0, 9, 8]
+    # and equal sizes give what a batch tensor gives
+    same = ragged([(20, 24)] * 4)
+    a, b = op.draw(same, keys(4)), op.draw(torch.stack(same), keys(4))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert torch.equal(op(same, keys(4)), op(torch.stack(same), keys(4)))
 
 
 @pytest.mark.parametrize("size", [(16, 12), (5, 7), (40, 48)])
@@ -46,25 +88,6 @@ def test_random_resized_crop_resizes_masks_nearest_as_torchvision(size):
         ref = TF.resized_crop(tv_tensors.Mask(mask[i]), int(b["top"][i]), int(b["left"][i]), int(b["height"][i]),
                               int(b["width"][i]), list(size))
         assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
-
-
-@pytest.mark.usefixtures("both_paths")
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-@pytest.mark.parametrize("antialias", [True, False])
-def test_resized_crop_fused_with_a_flip_equals_the_two_ops(dtype, antialias):
-    """Compose runs RandomResizedCrop + RandomHorizontalFlip as one op (reversed column taps):
-    bit-identical to flipping the resized crop, for images and masks, in any batch."""
-    x = images(9, dtype=dtype)
-    mask = (torch.arange(20 * 24).view(1, 20, 24) % 5).expand(9, 20, 24).contiguous()
-    batch = A.Batch({"image": x, "mask": mask}, {"image": "image", "mask": "mask"}, keys(9, seed=4))
-    crop, flip = A.RandomResizedCrop((14, 11), antialias=antialias), A.RandomHorizontalFlip()
-    fused = A.Compose([crop, flip])(batch)
-    unfused = flip(crop(batch, batch.keys.child(0)), batch.keys.child(1))
-    assert 0 < int(flip.draw(batch, batch.keys.child(1))["flip"].sum()) < 9
-    for name in ("image", "mask"):
-        assert torch.equal(fused.fields[name], unfused.fields[name]), name
-    sub = A.Batch({"image": x[3:7], "mask": mask[3:7]}, {"image": "image", "mask": "mask"}, keys(4, seed=4, start=3))
-    assert torch.equal(A.Compose([crop, flip])(sub).fields["image"], fused.fields["image"][3:7])
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])

@@ -192,6 +192,73 @@ def test_loader_throughput_rejects_unknown_shape(tmp_path):
     assert proc.returncode == 2 and "unknown shape(s) ['mnist']" in proc.stderr
 
 
+@pytest.mark.slow
+def test_jpeg_benchmark_quick_writes_json(tmp_path):
+    out = tmp_path / "jpeg.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "jpeg.py"), "--quick", "--images", "40", "--batch-size", "8",
+         "--workers", "0", "--threads", "1", "--data-dir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["meta"]["quick"] is True and res["sizes"]["images"] == 40
+    assert {"workers/none", "device/none", "workers/256", "device/256"} <= set(res["fastdata"])
+    assert all(res["fastdata"][k]["images_per_s"] > 0 for k in ("workers/none", "device/256"))
+    assert res["plain"]["best_workers"] == 0 and res["plain"]["images_per_s"] > 0
+    # files within max_side are stored as they are: the store is the JPEG bytes plus a little
+    assert 1.0 <= res["fastdata"]["store_bytes/none"] / res["sizes"]["jpeg_files"] < 1.1
+    assert res["fastdata"]["store_bytes/256"] < res["fastdata"]["store_bytes/none"]
+    assert abs(sum(v for k, v in res["fastdata"]["profile_device_256"].items() if k != "seconds") - 1) < 0.01
+    assert "| fastdata device, max_side=256 |" in proc.stdout
+    tables = _module("tables")
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "jpeg.json").write_text(out.read_text())
+    text = tables.jpeg(tmp_path / "res")
+    assert "`device` strategy, `max_side=256`" in text and "quick smoke-test run" in text
+
+
+@pytest.mark.slow
+def test_volumes_quick_writes_json(tmp_path):
+    pytest.importorskip("monai", reason="benchmarks/volumes.py compares against MONAI (pip install .[bench])")
+    out = tmp_path / "volumes.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "volumes.py"), "--quick", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["quick"] is True and res["crop"] == 48 and res["side"] == 64
+    loaders = [r["loader"] for r in res["summary"]]
+    assert loaders == ["monai DataLoader", "monai ThreadDataLoader", "lightning_fastdata device"]
+    assert {r["num_workers"] for r in res["results"] if r["loader"] == "monai DataLoader"} == {0, 1}
+    assert all(r["samples_per_s"] > 0 for r in res["results"])
+    # The same work on every side: the same batch shapes and dtypes come out.
+    assert res["same_output_shapes"] and res["same_output_dtypes"], res["outputs"]
+    for output in res["outputs"].values():
+        assert output["image"][:2] == [[2, 1, 48, 48, 48], "float32"]
+        assert output["label"][0] == [2, 1, 48, 48, 48]
+    assert res["device_vs_monai_best"] == pytest.approx(
+        res["summary"][2]["samples_per_s"] / max(r["samples_per_s"] for r in res["summary"][:2]))
+    assert "| lightning_fastdata device |" in proc.stdout
+
+
+def test_volume_ops_breakdown_times_every_op_and_the_fused_compose(tmp_path):
+    out = tmp_path / "ops.json"
+    threads = torch.get_num_threads()
+    try:
+        report = _module("volume_ops").main(["--volumes", "3", "--side", "24", "--crop", "16", "--batch-size", "2",
+                                             "--repeats", "1", "--no-monai", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == report
+    ms = report["fastdata_ms"]
+    for op in ("RandomCropByLabel", "RandomFlip", "ScaleIntensityRange", "RandomScaleIntensity"):
+        assert ms[f"{op} draw"] >= 0 and ms[f"{op} apply"] > 0
+    assert ms["gather"] > 0 and ms["Compose (fused)"] > 0 and "monai_ms" not in report
+
+
 # --------------------------------------------------------------------------- augmentation ops
 
 

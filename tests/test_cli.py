@@ -274,3 +274,24 @@ def test_cache_prune_removes_only_unused_caches_and_says_what_it_frees(tmp_path,
         main(["cache", "prune", "--cache-dir", str(cache), "--older-than", "3x"])
     assert e.value.code == 2
     assert "--older-than takes a number and a unit s, m, h, d or w (e.g. 30d), got '3x'" in capsys.readouterr().err
+
+
+def test_bench_augments_each_batch_once(tmp_path, monkeypatch):
+    """Batches the loader augmented ahead are not augmented a second time by the timing loop."""
+    from _helpers import TinyDataModule
+
+    from lightning_fastdata import augment as A
+    from lightning_fastdata.cli import bench_strategy
+
+    calls = []
+
+    class Counting(A.Normalize):
+        def __call__(self, x, keys=None):
+            calls.append(1)
+            return super().__call__(x, keys)
+
+    dm = TinyDataModule(n=64, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        train_augment=Counting([0.5] * 3, [0.25] * 3))
+    row = bench_strategy(dm, "device", __import__("torch").device("cpu"), 1, batches=4, warmup=1, repeats=1,
+                         progress=False)
+    assert row["feasible"] and 5 <= len(calls) <= 5 + 2  # warm-up + timed batches (+ the thread's look-ahead)

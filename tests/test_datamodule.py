@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ class _Keeper(TinyModel):
         self.kept = []
 
     def training_step(self, batch, batch_idx):
-        self.kept.append(batch)
+        self.kept.append((batch, batch[1].tolist()))  # the batch itself, and which samples it held then
         return super().training_step(batch, batch_idx)
 
 
@@ -199,8 +200,9 @@ def test_batches_the_user_keeps_never_change(tmp_path, strategy):
     trainer(tmp_path, max_epochs=1, limit_train_batches=10).fit(model, dm)
     ref = dm.source("train")
     assert len(model.kept) == 10
-    for x, y in model.kept:  # checked after the epoch, against the source
-        for img, i in zip(x, y.tolist(), strict=True):
+    for (x, y), held in model.kept:  # checked after the epoch, against the source
+        assert y.tolist() == held, f"{strategy}: a kept batch's labels changed after it was handed out"
+        for img, i in zip(x, held, strict=True):
             assert torch.equal(img, ref[i][0]), f"{strategy}: sample {i} changed after it was handed out"
 
 
@@ -292,3 +294,51 @@ def test_checkpoint_carries_the_data_plan_and_a_changed_plan_warns_with_both(tmp
                                          r"remaining batches will differ.*checkpoint: strategy='device', seed=0; "
                                          r"this run: strategy='workers', seed=5"):
         trainer(tmp_path, max_epochs=1).fit(TinyModel(), other, ckpt_path=str(path))
+
+
+@pytest.mark.slow
+def test_a_samples_augmentation_is_the_same_whatever_the_batch_rank_strategy_or_resume(tmp_path):
+    """Every sample's augmented pixels, bit for bit, across batch sizes, world sizes, strategies and a resume."""
+    import os
+    import sys
+
+    from _jobs import Launch, free_port
+    from _keyed_job import N, run
+
+    cache = str(tmp_path / "cache")
+    ref = run(str(tmp_path / "ref"), cache)
+    assert len(ref) == 2 * N
+    runs = {
+        "batch 16": run(str(tmp_path / "b16"), cache, batch_size=16),
+        "chunked": run(str(tmp_path / "chunked"), cache, strategy="chunked"),
+        "workers, 0": run(str(tmp_path / "w0"), cache, strategy="workers"),
+        "workers, 2": run(str(tmp_path / "w2"), cache, strategy="workers", num_workers=2),
+    }
+    # A mid-epoch resume continues with exactly the augmentations of the uninterrupted run.
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    run(str(tmp_path / "first"), cache, callbacks=[ckpt])
+    runs["resumed"] = run(str(tmp_path / "resumed"), cache, ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))
+    assert len(runs["resumed"]) == 2 * N - 2 * 8  # the first two batches are not replayed
+    # Two ranks (gloo): each sees half the samples, augmented as on one rank.
+    port = str(free_port())
+    script = str(Path(__file__).parent / "_keyed_job.py")
+    out = str(tmp_path / "ddp")
+    job = Launch(tmp_path / "ddp-logs", [
+        ([sys.executable, script, str(tmp_path / "ddp-root"), cache, out],
+         dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", NODE_RANK="0",
+              MASTER_PORT=port, PYTHONPATH=os.environ["PYTHONPATH"]))
+        for r in range(2)])
+    try:
+        assert job.wait(300) == [0, 0], job.log()
+    finally:
+        job.reap()
+    ranks = [torch.load(f"{out}.rank{r}.pt") for r in range(2)]
+    assert not set(ranks[0]) & set(ranks[1])
+    runs["2 ranks"] = {**ranks[0], **ranks[1]}
+    for name, got in runs.items():
+        assert set(got) <= set(ref) and (len(got) == len(ref) or name == "resumed"), name
+        for key, img in got.items():
+            assert torch.equal(img, ref[key]), f"{name}: {key} differs from the reference run"
+    # The same image: what differs is the augmentation, per sample and per epoch.
+    assert len({ref[f"e0_i{i}"].numpy().tobytes() for i in range(N)}) > N * 0.9
+    assert all(not torch.equal(ref[f"e0_i{i}"], ref[f"e1_i{i}"]) for i in range(N))

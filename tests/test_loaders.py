@@ -137,3 +137,26 @@ def test_order_validation():
         ShardedOrder(10, 0)
     with pytest.raises(ValueError, match="rank=2"):
         ShardedOrder(10, 2, rank=2, world_size=2)
+
+
+class _Tag:
+    """A picklable prepare: marks every sample with its epoch and global index (in the worker)."""
+
+    def __call__(self, batch: FastBatch) -> FastBatch:
+        x, i = batch.leaves
+        leaves = [x.to(torch.int64) * 0 + batch.epoch * 1000 + batch.indices.view(-1, 1, 1), i]
+        return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)
+
+
+@pytest.mark.parametrize("workers,context", [(0, None), (2, "fork"), (1, "spawn")])
+def test_worker_loader_prepares_batches_in_the_workers_keyed_by_their_samples(workers, context):
+    s = _store(40)
+    wrk = WorkerLoader(ShardedOrder(40, 8, seed=2), source=HostSource(list(s.fields)), spec=s.spec,
+                       names=names_of(s), prepare=_Tag(), num_workers=workers, multiprocessing_context=context)
+    for epoch in (0, 1):
+        wrk.set_epoch(epoch)
+        for k, batch in enumerate(wrk):
+            assert batch.prepared and (batch.epoch, batch.index) == (epoch, k)
+            assert torch.equal(batch["x"][:, 0, 0], epoch * 1000 + batch["i"])
+    with pytest.raises(ValueError, match="prepare= needs source="):
+        WorkerLoader(ShardedOrder(4, 2), dataset=[0, 1, 2, 3], prepare=_Tag())

@@ -38,3 +38,63 @@ def test_large_fields_placed_bit_equal_and_independent():
         seen.append(idx)
     assert sorted(torch.cat(seen).tolist()) == list(range(1200))
 
+
+
+def _ragged_store(n: int = 60) -> Store:
+    from lightning_fastdata.ragged import RaggedArray
+
+    g = np.random.default_rng(2)
+    images = RaggedArray.from_list([g.integers(0, 256, (3, 1 + i % 7, 1 + i % 4), dtype=np.uint8) for i in range(n)])
+    return Store.from_arrays({"x": images, "f": g.standard_normal((n, 5)).astype(np.float32),
+                              "y": np.arange(n, dtype=np.int64)})
+
+
+def test_every_source_serves_ragged_fields_the_same():
+    from _helpers import chunked_loader, device_loader
+
+    from lightning_fastdata.placement import ChunkBuffers, HostSource
+    from lightning_fastdata.ragged import RaggedBatch, RaggedField
+
+    store = _ragged_store()
+    # chunks hold the fixed-shape fields only (5 floats + 1 int64 per row), ragged rows are copied per batch
+    buffers = ChunkBuffers.for_store(store, "cpu", 28 * 20, 10)
+    assert buffers.infos == [((5,), torch.float32), ((), torch.int64)] and buffers.rows == 20
+    source = DeviceSource.from_arrays(list(store.fields), "cpu")
+    assert isinstance(source.fields[0], RaggedField) and source.nbytes == store.fields[0].values.nbytes + 60 * 28
+    loaders = {"device": device_loader(store, ShardedOrder(60, 10, seed=5)),
+               "chunked": chunked_loader(store, ShardedOrder(60, 10, seed=5), buffers=buffers)}
+    host = HostSource(list(store.fields))
+    assert host.fixed == [1, 2] and len(host.tensors) == 2
+    results = {}
+    for name, loader in loaders.items():
+        results[name] = list(loader)
+        loader.close()
+    for a, b in zip(results["device"], results["chunked"], strict=True):
+        assert torch.equal(a.indices, b.indices)
+        for batch in (a, b):
+            x = batch.leaves[0]
+            assert isinstance(x, RaggedBatch) and x.offsets.device.type == "cpu"
+            want = host.gather(batch.indices)
+            assert torch.equal(batch.leaves[1], want[1]) and torch.equal(batch.leaves[2], want[2])
+            for got, i in zip(x.tensors(), batch.indices.tolist(), strict=True):
+                assert np.array_equal(got.numpy(), store.fields[0][i])
+    # a gathered batch is fresh memory: the user may keep it
+    kept = results["device"][0].leaves[0].values
+    assert kept.data_ptr() != results["device"][1].leaves[0].values.data_ptr()
+
+
+def test_placing_a_ragged_store_counts_its_bytes_and_falls_back_on_oom():
+    import warnings
+
+    from lightning_fastdata.placement import ChunkedSource, inject_faults, place
+    from lightning_fastdata.plan import Resources, decide
+
+    store = _ragged_store()
+    res = Resources(device_type="cuda", device_total=16 << 30, device_free=16 << 30, ram_total=8 << 30,
+                    ram_available=8 << 30, physical_cores=2, logical_cores=2, shm_free=1 << 30)
+    config = {"strategy": "device"}
+    plan = decide(store.nbytes, res, config)
+    assert plan.store_nbytes == store.nbytes
+    with inject_faults(oom_at=2), warnings.catch_warnings(record=True):  # the fixed field after the ragged one
+        placement = place({"train": store}, plan, "cpu", config, {"train": 10})
+    assert placement.plan.strategy == "chunked" and isinstance(placement.sources["train"], ChunkedSource)

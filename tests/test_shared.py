@@ -132,7 +132,8 @@ def _check_worker_maps_segment(worker_id: int) -> None:
     ds = torch.utils.data.get_worker_info().dataset
     mapped = _mapped_segments()
     assert mapped and all(p.endswith("(deleted)") for p in mapped), mapped
-    assert all(_backed_by_mmap(a) for a in ds.arrays)
+    parts = [p for a in ds.arrays for p in (a.parts().values() if hasattr(a, "parts") else [a])]
+    assert all(_backed_by_mmap(p) for p in parts)
 
 
 def _backed_by_mmap(a: np.ndarray) -> bool:
@@ -311,3 +312,41 @@ def test_many_fields_one_segment_and_a_constant_number_of_fds():
 
     few, many = share(2), share(40)
     assert few == many <= 2 * 2  # not growing with the fields: per segment, one descriptor + the mapping's
+
+
+def _ragged_store(n: int = 40) -> Store:
+    from lightning_fastdata.ragged import RaggedArray
+
+    g = np.random.default_rng(1)
+    images = RaggedArray.from_list([g.integers(0, 256, (3, 1 + i % 5, 2 + i % 3), dtype=np.uint8) for i in range(n)])
+    vectors = RaggedArray.from_list([g.normal(size=(i % 4,)).astype(np.float32) for i in range(n)])
+    return Store.from_arrays({"image": images, "vec": vectors, "label": np.arange(n, dtype=np.int64)},
+                             fingerprint="r" * 64)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_ragged_store_shares_its_values_offsets_and_shapes(context):
+    from lightning_fastdata.ragged import RaggedArray, RaggedBatch
+
+    store = _ragged_store()
+    seg = share_stores({"train": store})["train"]
+    assert [(e["field"], e["role"]) for e in seg.layout] == [
+        (0, "values"), (0, "offsets"), (0, "shapes"), (1, "values"), (1, "offsets"), (1, "shapes"), (2, "data")]
+    arrays = seg.arrays()
+    for got, want in zip(arrays[:2], store.fields[:2], strict=True):
+        assert isinstance(got, RaggedArray)
+        for role, part in got.parts().items():
+            assert isinstance(part, SharedArray) and _backed_by_mmap(part) and not part.flags.writeable
+            assert np.array_equal(part, want.parts()[role])
+    order = ShardedOrder(40, 8, shuffle=True, seed=3)
+    loader = WorkerLoader(order, source=HostSource(arrays, seg), spec=store.spec, names=[i.name for i in store.infos],
+                          num_workers=1, worker_init_fn=_check_worker_maps_segment, multiprocessing_context=context)
+    seen = []
+    for batch in loader:
+        image, vec = batch.leaves[0], batch.leaves[1]
+        assert isinstance(image, RaggedBatch) and isinstance(vec, RaggedBatch)
+        for j, i in enumerate(batch["label"].tolist()):
+            assert np.array_equal(image.tensors()[j].numpy(), store.fields[0][i])
+            assert np.array_equal(vec.tensors()[j].numpy(), store.fields[1][i])
+            seen.append(i)
+    assert sorted(seen) == list(range(40))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from _helpers import CountingDataset
 
-from lightning_fastdata.store import Store, StoreError, build_store, open_store
+from lightning_fastdata.store import FORMAT_VERSION, Store, StoreError, build_store, open_store
 
 
 def test_roundtrip_bit_equal_and_structure(cache_dir):
@@ -179,9 +179,9 @@ def test_old_format_version_is_rejected_then_rebuilt(cache_dir):
     doc["version"] = 0
     doc["manifest_crc32"] = _manifest_crc(doc)
     m.write_text(json.dumps(doc))
-    with pytest.warns(UserWarning, match="format version 0, this release reads version 2"):
+    with pytest.warns(UserWarning, match=f"format version 0, this release reads version {FORMAT_VERSION}"):
         s2 = build_store(CountingDataset(8), lambda s: s, cache_dir, progress=False)
-    assert json.loads((s2.path / "manifest.json").read_text())["version"] == 2
+    assert json.loads((s2.path / "manifest.json").read_text())["version"] == FORMAT_VERSION
 
 
 def test_parallel_build_matches_sequential(cache_dir, tmp_path):
@@ -361,3 +361,138 @@ def test_field_kinds_from_tv_tensors_and_the_default_rule(cache_dir):
     assert over.kinds == {"0": "image", "1": "mask"} and over.fingerprint != plain.fingerprint
     with pytest.raises(StoreError, match=r"field_kinds names a field 'label' .* their fields are \['0', '1'\]"):
         build_store(CountingDataset(4), lambda s: s, cache_dir, progress=False, field_kinds={"label": "mask"})
+
+
+# --------------------------------------------------------------------------- ragged fields
+
+
+class VaryingDataset(CountingDataset):
+    """Sample ``i``: a uint8 image of width 2 + i % 5, a float32 vector of i % 4 elements, an int16 matrix, a label."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        g = np.random.default_rng(i)
+        return {"image": x[:, :, : 2 + i % 5], "vec": g.normal(size=(i % 4,)).astype(np.float32),
+                "mat": g.integers(-900, 900, (1 + i % 3, 2 + i % 2)).astype(np.int16), "label": y}
+
+
+def _check_varying(store, n):
+    ref = VaryingDataset(n)
+    for i in range(n):
+        want = ref[i]
+        for k, name in enumerate(("image", "vec", "mat")):
+            got = store.fields[k][i]
+            w = np.asarray(want[name])
+            assert got.dtype == w.dtype and got.shape == w.shape and np.array_equal(got, w), (name, i)
+        assert store.fields[3][i] == want["label"]
+
+
+def test_ragged_fields_are_stored_end_to_end_and_built_in_parallel_the_same(cache_dir, tmp_path):
+    from lightning_fastdata.ragged import RaggedArray
+
+    kw = dict(ragged=["image", "vec", "mat"], progress=False)
+    seq = build_store(VaryingDataset(40), lambda s: s, cache_dir, num_workers=0, **kw)
+    par = build_store(VaryingDataset(40), lambda s: s, tmp_path / "par", parallel_threshold_s=0.0, **kw)
+    assert par.fingerprint == seq.fingerprint
+    for store in (seq, par, open_store(seq.path)):
+        assert [i.ragged for i in store.infos] == [True, True, True, False]
+        assert store.infos[0].shape == (-1, -1, -1) and store.infos[1].shape == (-1,)
+        assert all(isinstance(f, RaggedArray) for f in store.fields[:3])
+        _check_varying(store, 40)
+        assert store.nbytes == sum(f.values.nbytes + f.offsets.nbytes + f.shapes.nbytes for f in store.fields[:3]) \
+            + store.fields[3].nbytes
+    for a, b in zip(seq.fields[:3], par.fields[:3], strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(a.parts().values(), b.parts().values(), strict=True))
+    entry = json.loads((seq.path / "manifest.json").read_text())["fields"][0]
+    assert entry["ragged"] is True and entry["encoding"] is None
+    assert sorted(entry["files"]) == ["offsets", "shapes", "values"]
+    assert all(set(f) == {"file", "bytes", "crc32"} for f in entry["files"].values())
+    assert not list(seq.path.glob("*.part*"))  # the chunks' parts were joined and removed
+    # an in-memory store takes ragged arrays too
+    mem = Store.from_arrays({"x": RaggedArray.from_list([np.zeros((2, 3), np.uint8), np.ones((1, 1), np.uint8)])})
+    assert len(mem) == 2 and mem.infos[0].ragged and mem.nbytes == 7 + 24 + 32
+
+
+def test_a_truncated_values_file_or_edited_offsets_are_detected_and_rebuilt(cache_dir):
+    kw = dict(ragged=["image", "vec", "mat"], progress=False)
+    store = build_store(VaryingDataset(20), lambda s: s, cache_dir, **kw)
+    values = store.path / "field_0.values.npy"
+    values.write_bytes(values.read_bytes()[:-5])
+    with pytest.warns(UserWarning, match=r"rebuilding the 'train' cache: .*field_0\.values\.npy has \d+ bytes, the "
+                                         r"manifest says \d+ \(truncated\?\)"):
+        rebuilt = build_store(VaryingDataset(20), lambda s: s, cache_dir, verify=False, **kw)
+    _check_varying(rebuilt, 20)
+    # edited offsets: the checksum sees it, and so does the consistency check when checksums are skipped
+    offsets = np.load(rebuilt.path / "field_2.offsets.npy", mmap_mode="r+")
+    offsets[4] += 1
+    offsets.flush()
+    del offsets
+    with pytest.raises(Exception, match=r"field 'mat': sample 3 spans \d+ elements by its offsets, its shape "
+                                        r"\(\d, \d\) says \d+"):
+        open_store(rebuilt.path, verify=False)
+    with pytest.warns(UserWarning, match="rebuilding the 'train' cache: .*sample 3 spans .* edited or corrupted"):
+        again = build_store(VaryingDataset(20), lambda s: s, cache_dir, verify=False, **kw)
+    _check_varying(again, 20)
+    offsets = np.load(again.path / "field_1.offsets.npy", mmap_mode="r+")
+    offsets[2] += 1
+    offsets.flush()
+    del offsets
+    with pytest.warns(UserWarning, match="field_1.offsets.npy fails its checksum"):
+        build_store(VaryingDataset(20), lambda s: s, cache_dir, **kw)
+
+
+def test_a_varying_field_not_named_ragged_gets_the_shape_error_with_the_hint(cache_dir):
+    with pytest.raises(StoreError) as err:
+        build_store(VaryingDataset(10), lambda s: s, cache_dir, ragged=["image", "vec"], progress=False, probes=2)
+    msg = str(err.value)
+    # sample 9 is a probe, so it is the first seen
+    assert msg.startswith("sample 9, field 'mat' has shape (1, 3) dtype int16, sample 0 has shape (1, 2) dtype int16")
+    assert msg.endswith("name it in ragged=['mat'] if its shape varies by design")
+    # a ragged field still keeps its number of dimensions and its dtype
+    with pytest.raises(StoreError, match=r"sample 3, ragged field 'image' has 2 dimension\(s\) .* not its number of "
+                                         r"dimensions or its dtype"):
+        build_store(VaryingDataset(10), lambda s: {**s, "image": s["image"][0] if s["label"] == 3 else s["image"]},
+                    cache_dir, ragged=["image", "vec", "mat"], progress=False, probes=2)
+    with pytest.raises(StoreError, match=r"ragged names a field 'img' that the samples do not have; their fields are "
+                                         r"\['image', 'vec', 'mat', 'label'\]"):
+        build_store(VaryingDataset(10), lambda s: s, cache_dir, ragged=["img"], progress=False)
+    assert not list(cache_dir.glob("train-*")) and not list(cache_dir.glob(".tmp-*"))
+
+
+def test_a_full_disk_while_writing_ragged_values_is_the_clear_error(cache_dir, monkeypatch):
+    import errno
+    import os
+
+    from lightning_fastdata import store as S
+
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.fh.close()
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        fh = real_fdopen(fd, mode, *args, **kwargs)
+        return Full(fh) if mode == "wb" else fh  # the chunks' part files
+
+    kw = dict(ragged=["image", "vec", "mat"], progress=False)
+    monkeypatch.setattr(S.os, "fdopen", fdopen)
+    with pytest.raises(StoreError, match=r"caching 'train' needs .* \(20 samples x .*, on average, estimated from the "
+                                         r"probe samples\) in cache_dir .* free; set cache_dir to a filesystem"):
+        build_store(VaryingDataset(20), lambda s: s, cache_dir, **kw)
+    _nothing_left(cache_dir)
+    monkeypatch.setattr(S.os, "fdopen", real_fdopen)
+
+    def no_room(*args, **kwargs):  # the join of the parts into the values file meets a full disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(S.os, "copy_file_range", no_room, raising=False)
+    with pytest.raises(StoreError, match="needs .* free; set cache_dir to a filesystem with more room"):
+        build_store(VaryingDataset(20), lambda s: s, cache_dir, **kw)
+    _nothing_left(cache_dir)

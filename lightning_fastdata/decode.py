@@ -1,0 +1,167 @@
+"""JPEG decoding of a batch, where the batch is used: one nvJPEG call on a CUDA device,
+a pool of threads on the CPU.
+
+This module is the one place that knows which library decodes JPEGs. Today that is
+``torchvision.io.decode_jpeg``: it ships with torchvision (no new dependency), decodes a
+list in one batched nvJPEG call on CUDA, and on the CPU (libjpeg-turbo) releases the GIL
+while it decodes, so threads scale with cores. torchvision 0.29 deprecates its image
+codecs in favour of TorchCodec and warns on every call (a ``DeprecationWarning``); the
+warning is ignored here, around our own calls only. TorchCodec's ``decode_jpeg`` gives the
+same pixels at the same speed (measured on 0.17: same libjpeg-turbo); it is used when the
+installed torchvision no longer has a decoder, so nothing else changes when torchvision
+drops it.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lightning_fastdata._pool import default_threads, map_runs
+
+#: The start of the warning torchvision >= 0.29 gives on every decode/encode call.
+TORCHVISION_DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
+
+
+def _torchvision_decoder() -> Callable[..., object] | None:
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError:
+        return None
+
+    def run(data: torch.Tensor | list[torch.Tensor], device: torch.device) -> object:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+    return run
+
+
+def _torchcodec_decoder() -> Callable[..., object] | None:
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except ImportError:
+        return None
+
+    def run(data: torch.Tensor | list[torch.Tensor], device: torch.device) -> object:
+        return decode_jpeg(data, mode="RGB", device=device)
+
+    return run
+
+
+#: The chosen decoder, found on first use: (library name, function).
+_DECODER: list[tuple[str, Callable[..., object]]] = []
+
+
+def backend() -> str:
+    """The library that decodes: ``"torchvision"`` or ``"torchcodec"``."""
+    return _decoder()[0]
+
+
+def _decoder() -> tuple[str, Callable[..., object]]:
+    if not _DECODER:
+        for name, make in (("torchvision", _torchvision_decoder), ("torchcodec", _torchcodec_decoder)):
+            fn = make()
+            if fn is not None:
+                _DECODER.append((name, fn))
+                break
+        else:
+            raise ImportError("decoding JPEG fields needs torchvision.io.decode_jpeg or torchcodec: "
+                              "pip install torchvision (or torchcodec)")
+    return _DECODER[0]
+
+
+def _check(data: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(data, torch.Tensor) or not isinstance(data, Sequence):
+        raise TypeError(f"decode_jpegs takes a list of 1-D uint8 tensors (one JPEG each), got {type(data).__name__}")
+    out = list(data)
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.ndim != 1:
+            what = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else \
+                f"a {type(t).__name__}"
+            raise TypeError(f"decode_jpegs: sample {i} is {what}; each sample must be the JPEG file's bytes as a "
+                            "1-D uint8 tensor")
+    if any(t.device.type != "cpu" for t in out):
+        # The decoders read host memory: one copy of all the bytes, not one per sample.
+        lengths = [t.numel() for t in out]
+        out = list(torch.cat(out).cpu().split(lengths))
+    return out
+
+
+def _bad(i: int, t: torch.Tensor, err: Exception, indices: Sequence[int] | None) -> ValueError:
+    name = f"sample {i} of the batch" + (f" (dataset index {int(indices[i])})" if indices is not None else "")
+    head = bytes(t[:4].tolist()).hex()
+    # torchvision prefixes its C++ source location: keep the decoder's own words.
+    why = re.sub(r"^.*?\.cpp:\d+, ", "", str(err).splitlines()[0] if str(err) else repr(err))
+    return ValueError(f"decode_jpegs: {name} is not a decodable JPEG ({t.numel()} bytes, starting {head}): {why}; "
+                      "rebuild the cache if the file changed, or check the source yields JPEG bytes")
+
+
+def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device | str = "cpu", threads: int | None = None,
+                 indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Decode JPEG files' bytes into uint8 ``(3, H, W)`` RGB images on ``device``.
+
+    On a CUDA device the whole list is one batched nvJPEG call. On the CPU the list is
+    split into ``threads`` runs of samples decoded in parallel (the decoder releases the
+    GIL). Grayscale and CMYK JPEGs come out as RGB, so every image has 3 channels.
+
+    Args:
+        data: One 1-D uint8 tensor per sample (the file's bytes), on any device.
+        device: Where the images are wanted (and decoded).
+        threads: CPU decoding threads; default the calling thread's torch intra-op budget
+            (``torch.get_num_threads()``: the cores, 1 in a DataLoader worker). 1 decodes
+            in the calling thread.
+        indices: The samples' dataset indices, named in errors (default: their positions).
+
+    Returns:
+        The images, in the order of ``data``.
+
+    Raises:
+        ValueError: A sample is not a decodable JPEG (the error names it).
+    """
+    device = torch.device(device)
+    items = _check(data)
+    if not items:
+        return []
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"decode_jpegs threads must be an int >= 1 or None, got {threads!r}")
+    decode = _decoder()[1]
+    with warnings.catch_warnings():
+        # Entered once in the calling thread, around the pool's work too: the filter is in
+        # place while the threads decode, and nowhere else.
+        warnings.filterwarnings("ignore", message=TORCHVISION_DEPRECATION, category=DeprecationWarning)
+        if device.type == "cuda":
+            return _decode_cuda(decode, items, device, indices)
+        out = _decode_cpu(decode, items, threads, indices)
+    return out if device.type == "cpu" else [img.to(device, non_blocking=True) for img in out]
+
+
+def _decode_one(decode: Callable[..., object], items: list[torch.Tensor], i: int,
+                indices: Sequence[int] | None) -> torch.Tensor:
+    try:
+        return decode(items[i], torch.device("cpu"))  # type: ignore[return-value]
+    except RuntimeError as err:
+        raise _bad(i, items[i], err, indices) from err
+
+
+def _decode_cpu(decode: Callable[..., object], items: list[torch.Tensor], threads: int | None,
+                indices: Sequence[int] | None) -> list[torch.Tensor]:
+    # Contiguous runs of about equal bytes, one per thread: one task each, not one per image.
+    return map_runs(lambda run: [_decode_one(decode, items, i, indices) for i in run], [t.numel() for t in items],
+                    default_threads() if threads is None else threads)
+
+
+def _decode_cuda(decode: Callable[..., object], items: list[torch.Tensor], device: torch.device,
+                 indices: Sequence[int] | None) -> list[torch.Tensor]:
+    try:
+        return list(decode(items, device))  # type: ignore[call-overload]
+    except RuntimeError as err:
+        # nvJPEG fails the whole batch: find the sample on the CPU decoder, which checks each.
+        for i in range(len(items)):
+            _decode_one(decode, items, i, indices)
+        raise RuntimeError(f"decode_jpegs: nvJPEG failed on a batch of {len(items)} JPEGs that the CPU decoder "
+                           f"reads: {err}") from err
+
+
+__all__ = ["TORCHVISION_DEPRECATION", "backend", "decode_jpegs"]

@@ -1,0 +1,93 @@
+"""decode_jpegs: the pixels torchvision's decoder gives, in order, on any number of threads;
+grayscale and CMYK come out RGB; a corrupt sample is named; the deprecation warning of
+torchvision >= 0.29 is silenced around our calls only."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lightning_fastdata.decode import TORCHVISION_DEPRECATION, backend, decode_jpegs
+
+
+def _jpeg(mode: str = "RGB", size=(40, 30), seed: int = 0, quality: int = 90) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    bands = {"RGB": 3, "L": 1, "CMYK": 4}[mode]
+    arr = rng.integers(0, 256, (size[1], size[0], bands), dtype=np.uint8)
+    img = Image.fromarray(arr[..., 0] if bands == 1 else arr, mode=mode)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=quality)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _pil_rgb(data: torch.Tensor) -> torch.Tensor:
+    img = Image.open(io.BytesIO(data.numpy().tobytes())).convert("RGB")
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, None])
+def test_decodes_in_order_the_pixels_pil_decodes(threads):
+    data = [_jpeg(size=(20 + 7 * i, 41 - 3 * i), seed=i) for i in range(7)]
+    out = decode_jpegs(data, "cpu", threads=threads)
+    assert len(out) == 7
+    for d, img in zip(data, out, strict=True):
+        assert img.dtype == torch.uint8 and img.shape[0] == 3
+        assert torch.equal(img, _pil_rgb(d))  # both libjpeg-turbo, same IDCT: bit-equal
+
+
+def test_grayscale_and_cmyk_come_out_rgb():
+    data = [_jpeg("L"), _jpeg("CMYK", seed=1), _jpeg("RGB", seed=2)]
+    out = decode_jpegs(data, "cpu")
+    assert [tuple(o.shape) for o in out] == [(3, 30, 40)] * 3
+    assert torch.equal(out[0][0], out[0][1]) and torch.equal(out[0][1], out[0][2])
+    assert torch.equal(out[1], _pil_rgb(data[1]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_corrupt_sample_is_named(threads):
+    good = _jpeg()
+    data = [good, good, good[: good.numel() // 3], good]
+    with pytest.raises(ValueError, match=r"sample 2 of the batch .*not a decodable JPEG"):
+        decode_jpegs(data, "cpu", threads=threads)
+    with pytest.raises(ValueError, match=r"sample 1 of the batch \(dataset index 71\).*starting 00000000"):
+        decode_jpegs([good, torch.zeros(64, dtype=torch.uint8)], "cpu", threads=threads, indices=[70, 71])
+
+
+def test_bad_inputs_are_refused_with_the_fix():
+    with pytest.raises(TypeError, match="list of 1-D uint8 tensors"):
+        decode_jpegs(_jpeg(), "cpu")
+    with pytest.raises(TypeError, match="sample 1 is a torch.int64 tensor"):
+        decode_jpegs([_jpeg(), torch.zeros(5, dtype=torch.int64)], "cpu")
+    with pytest.raises(ValueError, match="threads"):
+        decode_jpegs([_jpeg()], "cpu", threads=0)
+    assert decode_jpegs([], "cpu") == []
+
+
+def test_the_deprecation_warning_is_silenced_for_our_calls_only():
+    from torchvision.io import decode_jpeg
+
+    assert backend() in ("torchvision", "torchcodec")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning from our call would raise here
+        decode_jpegs([_jpeg(), _jpeg(seed=1)], "cpu", threads=2)
+        decode_jpegs([_jpeg()], "cpu", threads=1)
+    if backend() == "torchvision":
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            decode_jpeg(_jpeg())  # outside our call, torchvision's warning still shows
+        assert any(TORCHVISION_DEPRECATION in str(w.message) for w in seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (nvJPEG)")
+def test_cuda_decodes_the_batch_in_one_call_to_the_cpu_pixels():
+    data = [_jpeg(size=(64 + 8 * i, 48), seed=i) for i in range(5)]
+    out = decode_jpegs(data, "cuda")
+    cpu = decode_jpegs(data, "cpu")
+    for a, b in zip(out, cpu, strict=True):
+        assert a.device.type == "cuda" and a.shape == b.shape
+        assert (a.cpu().int() - b.int()).abs().max() <= 3  # nvJPEG's IDCT differs from libjpeg-turbo's

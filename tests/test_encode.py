@@ -1,0 +1,208 @@
+"""JPEG storage: encoded once at store time (or stored as read), small, decoded where the batch is used."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as tnf
+
+from lightning_fastdata import OptimizedDataModule
+from lightning_fastdata.encode import capped_size, encode_jpeg_leaf, is_jpeg, jpeg_shape, quiet_codec_warnings
+from lightning_fastdata.ragged import RaggedArray, RaggedBatch
+from lightning_fastdata.store import StoreError, build_store
+
+N = 24
+
+
+def photo(i: int, low: int = 300, high: int = 500, channels: int = 3) -> torch.Tensor:
+    """A smooth, slightly noisy uint8 (C, H, W) image with sides in [low, high] (photo-like for a JPEG coder)."""
+    g = torch.Generator().manual_seed(i)
+    h, w = (int(x) for x in torch.randint(low, high + 1, (2,), generator=g))
+    img = tnf.interpolate(torch.rand(1, channels, 6, 6, generator=g), size=(h, w), mode="bicubic")[0]
+    img = img + 0.02 * torch.randn(channels, h, w, generator=g)
+    return (img.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def jpeg(image: torch.Tensor, quality: int = 90) -> torch.Tensor:
+    from torchvision.io import encode_jpeg
+
+    with quiet_codec_warnings():
+        return encode_jpeg(image, quality=quality)
+
+
+def decode(data: torch.Tensor) -> torch.Tensor:
+    from torchvision.io import decode_jpeg
+
+    with quiet_codec_warnings():
+        return decode_jpeg(data)
+
+
+class Photos(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return photo(i), i
+
+
+class JpegFiles(torch.utils.data.Dataset):
+    """Reads JPEG files as bytes, as ``torchvision.io.read_file`` gives them."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        from torchvision.io import read_file
+
+        with quiet_codec_warnings():  # the user's call: torchvision 0.29 warns at every one
+            return read_file(self.paths[i]), i
+
+
+@pytest.fixture(scope="module")
+def jpeg_files(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("jpegs")
+    paths = []
+    for i in range(N):
+        p = root / f"{i:03d}.jpg"
+        p.write_bytes(jpeg(photo(i)).numpy().tobytes())
+        paths.append(str(p))
+    return paths
+
+
+def _disk_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+# --------------------------------------------------------------------------- the codec pieces
+
+
+def test_the_frame_header_gives_the_decoded_shape_without_decoding():
+    for image in (photo(1, 20, 40), photo(2, 20, 40, channels=1)):
+        data = jpeg(image).numpy()
+        assert is_jpeg(data) and jpeg_shape(data) == tuple(decode(torch.from_numpy(data)).shape) == tuple(image.shape)
+    with pytest.raises(ValueError, match="no readable JPEG frame header"):
+        jpeg_shape(jpeg(photo(3, 20, 40)).numpy()[:20])
+    assert capped_size(300, 500, 256) == (154, 256) and capped_size(500, 300, 256) == (256, 154)
+    assert capped_size(100, 80, 256) == (100, 80) and capped_size(100, 80, None) == (100, 80)
+
+
+def test_bad_samples_for_jpeg_name_the_sample_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"sample 4, field 'x' is float32 with shape \(3, 8, 8\); encode='jpeg' needs"):
+        encode_jpeg_leaf(np.zeros((3, 8, 8), np.float32), 90, None, "sample 4, field 'x'")
+
+    class NotJpeg(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 5
+
+        def __getitem__(self, i: int):
+            return torch.zeros(16, dtype=torch.uint8) if i == 3 else photo(i, 8, 16), i
+
+    with pytest.raises(StoreError, match=r"sample 3, field '0' is uint8 with shape \(16,\); encode='jpeg' needs"):
+        build_store(NotJpeg(), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False, probes=2)
+    assert not list((tmp_path / "cache").rglob("field_*"))
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def test_encoded_store_is_close_to_the_jpeg_bytes_and_5x_smaller_than_decoded(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store = build_store(Photos(), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, jpeg_quality=90,
+                            progress=False)
+    assert not [w for w in caught if "TorchVision are deprecated" in str(w.message)]  # caught where we call it
+    info, field = store.infos[0], store.fields[0]
+    assert info.ragged and info.encoding == "jpeg" and info.kind == "image"
+    assert isinstance(field, RaggedArray) and field.encoding == "jpeg"
+    encoded = int(field.values.nbytes)
+    decoded = int(np.prod(field.decoded, axis=1).sum())
+    on_disk = _disk_bytes(store.path)
+    assert encoded <= on_disk <= 1.10 * encoded, (on_disk, encoded)  # offsets, shapes, labels, manifest
+    assert decoded >= 5 * on_disk, (decoded, on_disk)
+    for i in (0, 7, N - 1):
+        assert tuple(field.decoded[i]) == tuple(photo(i).shape)
+        assert tuple(field.decoded[i]) == jpeg_shape(field[i])
+        assert torch.equal(torch.from_numpy(field[i].copy()), jpeg(photo(i)))  # the encoder's bytes, as stored
+
+
+def test_pre_encoded_bytes_are_stored_as_they_are(tmp_path, jpeg_files):
+    store = build_store(JpegFiles(jpeg_files), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"},
+                        num_workers=2, progress=False)
+    field = store.fields[0]
+    files = [open(p, "rb").read() for p in jpeg_files]
+    for i, raw in enumerate(files):
+        assert field[i].tobytes() == raw  # bit-equal
+    total = sum(len(raw) for raw in files)
+    assert total <= _disk_bytes(store.path) <= 1.10 * total
+    assert int(np.prod(field.decoded, axis=1).sum()) >= 5 * _disk_bytes(store.path)
+
+
+def test_max_side_caps_the_longest_side_and_keeps_the_aspect(tmp_path, jpeg_files):
+    store = build_store(JpegFiles(jpeg_files[:6]), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"},
+                        max_side=256, progress=False)
+    field = store.fields[0]
+    for i in range(6):
+        c, h, w = (int(x) for x in field.decoded[i])
+        h0, w0 = photo(i).shape[1:]
+        assert max(h, w) == 256 and (h, w) == capped_size(h0, w0, 256) and c == 3
+        assert tuple(decode(torch.from_numpy(field[i].copy())).shape) == (c, h, w)
+    # bytes already within max_side are kept as they are
+    small = build_store(JpegFiles(jpeg_files[:3]), lambda s: s, tmp_path / "cache", name="big", encode={"0": "jpeg"},
+                        max_side=1000, progress=False)
+    assert small.fields[0][1].tobytes() == open(jpeg_files[1], "rb").read()
+
+
+def test_jpeg_settings_are_part_of_the_fingerprint_only_with_encode(tmp_path):
+    def build(**kw):
+        return build_store(Photos(), lambda s: (s[0][:, :32, :32].contiguous(), s[1]), tmp_path / "cache",
+                           progress=False, warn=lambda m: None, **kw).path
+
+    plain = build()
+    assert build(jpeg_quality=50) == plain  # not encoding: the quality changes nothing stored
+    q90 = build(encode={"0": "jpeg"})
+    assert q90 != plain and build(encode={"0": "jpeg"}, jpeg_quality=50) != q90
+    assert build(encode={"0": "jpeg"}, max_side=16) != q90
+    assert build(ragged=["0"]) not in (plain, q90)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class PhotoModule(OptimizedDataModule):
+    def __init__(self, paths: list[str], **kwargs) -> None:
+        kwargs.setdefault("progress", False)
+        super().__init__(**kwargs)
+        self.paths = paths
+
+    def source(self, split: str):
+        return JpegFiles(self.paths) if split == "train" else None
+
+
+@pytest.mark.parametrize("strategy,workers", [("device", 0), ("workers", 2)])
+def test_a_jpeg_field_reaches_the_user_decoded_as_a_list(tmp_path, jpeg_files, strategy, workers):
+    dm = PhotoModule(jpeg_files, batch_size=5, cache_dir=str(tmp_path / "cache"), encode={"0": "jpeg"},
+                     device="cpu", strategy=strategy, num_workers=workers)
+    dm.setup("fit")
+    try:
+        seen = 0
+        for batch in dm.train_dataloader():
+            leaf = batch.leaves[0]
+            assert isinstance(leaf, RaggedBatch) and leaf.encoding == "jpeg"
+            assert leaf.decoded_shapes is not None and leaf.decoded_shapes.shape == (len(batch), 3)
+            images, labels = dm.on_after_batch_transfer(batch, 0)
+            assert isinstance(images, list) and len(images) == len(batch)
+            for img, i in zip(images, batch.indices.tolist(), strict=True):
+                raw = torch.from_numpy(np.fromfile(jpeg_files[i], dtype=np.uint8))
+                assert img.dtype == torch.uint8 and torch.equal(img, decode(raw))
+            seen += len(batch)
+        assert seen == N
+    finally:
+        dm.teardown("fit")
+    assert os.path.isdir(tmp_path / "cache")

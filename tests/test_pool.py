@@ -1,0 +1,67 @@
+"""The CPU pool: work split in order into runs of about equal weight, its threads running torch
+single-threaded while the caller's intra-op threads stay as they were, and the per-sample ops
+giving the same pixels on any number of threads."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from _augment_util import keys, ragged
+
+from lightning_fastdata import augment as A
+from lightning_fastdata._pool import map_runs, pool, runs
+
+
+def test_runs_are_contiguous_in_order_and_balanced():
+    assert runs([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert runs([10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 11)]
+    assert runs([0, 0, 0], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert [i for r in runs([3, 5, 2, 7, 1], 3) for i in r] == [0, 1, 2, 3, 4]
+
+
+def test_map_runs_keeps_the_order_and_uses_the_pool_threads():
+    seen = set()
+
+    def fn(rows):
+        seen.add(threading.current_thread().name)
+        return [i * i for i in rows]
+
+    assert map_runs(fn, [1] * 9, 3) == [i * i for i in range(9)]
+    assert any(name.startswith("fastdata-cpu3") for name in seen)
+    assert map_runs(fn, [1, 1], 1) == [0, 1]  # one thread: the caller's
+
+
+def test_pool_threads_run_torch_single_threaded_and_the_caller_keeps_its_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ex = pool(2)
+        assert ex.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+        # a thread started after the pool gets the caller's default, not the pool's 1
+        got = []
+        t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert got == [2]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_list_ops_give_the_same_pixels_on_one_or_two_threads():
+    xs = ragged()
+    ops = [A.RandomResizedCrop(16), A.Resize(20), A.Compose([A.RandomResizedCrop(18), A.RandomHorizontalFlip()])]
+    before = torch.get_num_threads()
+    try:
+        for op in ops:
+            torch.set_num_threads(1)
+            one = op(xs, keys(len(xs), seed=3))
+            torch.set_num_threads(2)
+            two = op(xs, keys(len(xs), seed=3))
+            if isinstance(one, list):
+                assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+            else:
+                assert torch.equal(one, two)
+    finally:
+        torch.set_num_threads(before)
