@@ -288,7 +288,8 @@ class RandomCropByLabel(BatchTransform):
             raise ValueError(f"label must name the label field, got {label!r}")
         self.label = label
 
-    def _size(self, batch: Batch) -> tuple[int, ...]:
+    def window_size(self, batch: Batch) -> tuple[int, ...]:
+        """The window\'s size, one entry per spatial dim of ``batch``."""
         size = per_dim(self.size, batch.spatial_dims, "size", "RandomCropByLabel")
         if any(c > s for c, s in zip(size, batch.spatial_size, strict=True)):
             raise ValueError(f"RandomCropByLabel size {size} is larger than the input {batch.spatial_size}; "
@@ -301,7 +302,7 @@ class RandomCropByLabel(BatchTransform):
         if self.label not in batch.fields or batch.kinds[self.label] == "other":
             raise ValueError(f"RandomCropByLabel(label={self.label!r}) needs an image or mask field of that name; "
                              f"the batch has {batch.kinds}")
-        size = self._size(batch)
+        size = self.window_size(batch)
         spatial = batch.spatial_size
         lab = batch.fields[self.label]
         u = batch.keys.uniform(0, 2, dtype=torch.float64)
@@ -317,7 +318,7 @@ class RandomCropByLabel(BatchTransform):
         """Cut the windows at ``offset`` from every image and mask field; ``flip`` (bool (N,)
         or (N, len(flip_dims))) also mirrors each sample along ``flip_dims`` in the same pass
         (``Compose`` fuses a following ``RandomFlip`` this way)."""
-        size, sd = self._size(batch), batch.spatial_dims
+        size, sd = self.window_size(batch), batch.spatial_dims
         if flip is None:
             crop = lambda x: keep_format(window_crop(x, offset, size, sd), x)  # noqa: E731
         else:

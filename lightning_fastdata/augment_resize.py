@@ -153,7 +153,8 @@ class CenterCrop(BatchTransform):
     def __init__(self, size: int | Sequence[int]) -> None:
         self.size = spatial_arg(size, "size", lowest=1)
 
-    def _size(self, batch: Batch) -> tuple[int, ...]:
+    def window_size(self, batch: Batch) -> tuple[int, ...]:
+        """The window\'s size, one entry per spatial dim of ``batch``."""
         sd = batch.spatial_dims
         if len(self.size) == 1:
             return self.size * sd
@@ -164,7 +165,7 @@ class CenterCrop(BatchTransform):
 
     def apply_batch(self, batch: Batch) -> Batch:
         """Cut the centre window of every image and mask field."""
-        size = self._size(batch)
+        size = self.window_size(batch)
         if batch.ragged:
             out = {}
             for name in batch.names("image", "mask"):
@@ -184,7 +185,7 @@ def resize_center_crop(resize: Resize, crop: CenterCrop, batch: Batch) -> Batch 
     form does not apply (the CPU, a crop larger than a resized sample, masks)."""
     if not batch.ragged or batch.spatial_dims != 2 or host_shortcuts(batch.device) or batch.names("mask"):
         return None
-    size = crop._size(batch)
+    size = crop.window_size(batch)
     sizes = [resize.output_size(h, w) for h, w in batch.spatial_size]
     if any(c > s for hw in sizes for c, s in zip(size, hw, strict=True)):
         return None
