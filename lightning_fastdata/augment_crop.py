@@ -289,7 +289,7 @@ class RandomCropByLabel(BatchTransform):
         self.label = label
 
     def window_size(self, batch: Batch) -> tuple[int, ...]:
-        """The window\'s size, one entry per spatial dim of ``batch``."""
+        """The window's size, one entry per spatial dim of ``batch``."""
         size = per_dim(self.size, batch.spatial_dims, "size", "RandomCropByLabel")
         if any(c > s for c, s in zip(size, batch.spatial_size, strict=True)):
             raise ValueError(f"RandomCropByLabel size {size} is larger than the input {batch.spatial_size}; "

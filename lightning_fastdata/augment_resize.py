@@ -154,7 +154,7 @@ class CenterCrop(BatchTransform):
         self.size = spatial_arg(size, "size", lowest=1)
 
     def window_size(self, batch: Batch) -> tuple[int, ...]:
-        """The window\'s size, one entry per spatial dim of ``batch``."""
+        """The window's size, one entry per spatial dim of ``batch``."""
         sd = batch.spatial_dims
         if len(self.size) == 1:
             return self.size * sd

@@ -493,8 +493,16 @@ class OptimizedDataModule(L.LightningDataModule):
                          worker_init_fn=seeding)
         if source is not None:
             store = self.stores[split]
-            return WorkerLoader(order, source=source, spec=store.spec, names=[i.name for i in store.infos],
-                                **loader_kw)
+            names = [i.name for i in store.infos]
+            augment = self.train_augment if train else self.eval_augment
+            # Training on the CPU: the workers augment (keyed by the samples, so where does not
+            # matter) and the training process only trains. On an accelerator the batch is
+            # augmented there, after its transfer.
+            in_workers = (augment is not None and plan.num_workers > 0 and self.target_device().type == "cpu"
+                          and not any(self._model_hook(h) is not None for h in _BATCH_HOOKS[:2]))
+            prepare = (functools.partial(_prepared, augment=augment, seed=self.seed, stream=SPLITS.index(split),
+                                         kinds=self.kinds(split, names)) if in_workers else None)
+            return WorkerLoader(order, source=source, spec=store.spec, names=names, prepare=prepare, **loader_kw)
         return WorkerLoader(order, dataset=transformed(self._raw[split], self.static_transform), **loader_kw)
 
     def _make_loader(self, split: str) -> Any:
@@ -646,20 +654,11 @@ class OptimizedDataModule(L.LightningDataModule):
         CUDA, threads on the CPU) into uint8 ``(C, H, W)`` tensors; any other ragged field
         becomes views of its values (no copy).
         """
-        out: list[Any] = []
-        for leaf in batch.leaves:
-            if isinstance(leaf, RaggedBatch):
-                tensors = leaf.tensors()
-                out.append(decode_jpegs(tensors, batch.indices.device) if leaf.encoding == "jpeg" else tensors)
-            else:
-                out.append(leaf)
-        return out
+        return _unragged(batch)
 
     def _augmented_leaves(self, batch: FastBatch, augment: BatchTransform, split: str) -> list[Any]:
-        keys = SampleKeys(self.seed, batch.epoch, batch.indices, stream=SPLITS.index(split))
-        fields = dict(zip(batch.names, self.unragged(batch), strict=True))
-        out = self._runner(augment)(Batch(fields, self.kinds(split, batch.names), keys))
-        return [out.fields[name] for name in batch.names]
+        return _augment_leaves(batch, self._runner(augment), self.seed, SPLITS.index(split),
+                               self.kinds(split, batch.names))
 
     def _runner(self, augment: BatchTransform) -> Any:
         """``augment``, or with ``cuda_graphs`` its graph-replaying wrapper (one per transform; it runs
@@ -745,3 +744,27 @@ def _plan_text(plan: dict[str, Any], keys: list[str]) -> str:
         parts.append(f"{k}={v!r}")
     return ", ".join(parts)
 
+
+def _unragged(batch: FastBatch) -> list[Any]:
+    out: list[Any] = []
+    for leaf in batch.leaves:
+        if isinstance(leaf, RaggedBatch):
+            tensors = leaf.tensors()
+            out.append(decode_jpegs(tensors, batch.indices.device) if leaf.encoding == "jpeg" else tensors)
+        else:
+            out.append(leaf)
+    return out
+
+
+def _augment_leaves(batch: FastBatch, augment: Any, seed: int, stream: int, kinds: dict[str, str]) -> list[Any]:
+    """The batch's leaves augmented, every sample keyed by (seed, stream, epoch, its global index)."""
+    keys = SampleKeys(seed, batch.epoch, batch.indices, stream=stream)
+    fields = dict(zip(batch.names, _unragged(batch), strict=True))
+    out = augment(Batch(fields, kinds, keys))
+    return [out.fields[name] for name in batch.names]
+
+
+def _prepared(batch: FastBatch, augment: BatchTransform, seed: int, stream: int, kinds: dict[str, str]) -> FastBatch:
+    """A DataLoader worker's prepare step (module-level, so a spawned worker can unpickle it)."""
+    leaves = _augment_leaves(batch, augment, seed, stream, kinds)
+    return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)

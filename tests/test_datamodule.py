@@ -342,3 +342,13 @@ def test_a_samples_augmentation_is_the_same_whatever_the_batch_rank_strategy_or_
     # The same image: what differs is the augmentation, per sample and per epoch.
     assert len({ref[f"e0_i{i}"].numpy().tobytes() for i in range(N)}) > N * 0.9
     assert all(not torch.equal(ref[f"e0_i{i}"], ref[f"e1_i{i}"]) for i in range(N))
+
+
+def test_training_on_the_cpu_with_workers_augments_in_the_workers(tmp_path):
+    dm = TinyDataModule(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        strategy="workers", num_workers=2, persistent_workers=False, train_augment=_aug())
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 4 and all(b.prepared for b in batches)  # augmented before they left the workers
+    x, _ = dm.augment_batch(batches[0])  # a prepared batch is not augmented again
+    assert x.dtype == torch.float32 and torch.equal(x, batches[0][0])
