@@ -40,13 +40,8 @@ from lightning_fastdata.placement import ChunkedSource, HostSource, Placement, S
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
 from lightning_fastdata.ragged import RaggedBatch
 from lightning_fastdata.seeding import WorkerSeeding
-from lightning_fastdata.store import (
-    Store,
-    StoreError,
-    UnstorableSampleError,
-    build_store,
-    unflatten,
-)
+from lightning_fastdata.store import Store, build_store
+from lightning_fastdata.structure import StoreError, UnstorableSampleError, unflatten
 
 Split = Literal["train", "val", "test", "predict"]
 SPLITS = ("train", "val", "test", "predict")

@@ -35,7 +35,7 @@ from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata.placement import HostSource, Source, as_tensor
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch, gather_host
 from lightning_fastdata.seeding import derive_seed
-from lightning_fastdata.store import unflatten
+from lightning_fastdata.structure import unflatten
 
 
 class ShardedOrder:
@@ -181,7 +181,7 @@ class FastBatch:
             :class:`~lightning_fastdata.ragged.RaggedBatch` for a ragged field (values on
             the batch's device, offsets and shapes on the CPU); raw sources may hold other
             objects.
-        spec: The sample structure (see :func:`~lightning_fastdata.store.flatten`).
+        spec: The sample structure (see :func:`~lightning_fastdata.structure.flatten`).
         names: Field names, one per leaf ("0", "1", or dict keys).
         indices: Global sample indices, int64, on the batch's device.
         epoch: The epoch the batch belongs to.

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import json
-import math
 import os
 import re
 import shutil
@@ -46,13 +44,31 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from lightning_fastdata import encode as E
 from lightning_fastdata import fingerprint as F
 from lightning_fastdata import locks
-from lightning_fastdata._util import fmt_bytes, pid_alive
+from lightning_fastdata._util import pid_alive
+from lightning_fastdata.fill import (
+    Layout,
+    check_space,
+    create_fixed_files,
+    field_files,
+    fill,
+    join_ragged,
+    no_room,
+    reserve,
+)
 from lightning_fastdata.ragged import RaggedArray
+from lightning_fastdata.structure import (  # the sample structure; its public names stay reachable here
+    FieldInfo,
+    StoreError,
+    UnstorableSampleError,  # noqa: F401
+    check_like,
+    flatten,
+    signature,
+    unflatten,  # noqa: F401
+    with_kinds,
+)
 
 FORMAT = "lightning_fastdata.store"
 #: 3: ragged fields (values, offsets, shapes files) and JPEG-encoded fields.
@@ -63,19 +79,10 @@ LAST_USED = "last_used"
 _TMP_PREFIX = ".tmp-"
 _LOCK_PREFIX = ".lock-"
 _CRC_BLOCK = 16 << 20
-_NPY_HEADER = 4096  # upper bound of one .npy header, for the space estimate
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 #: A cache directory's name: ``<split>-<fingerprint[:16]>``.
 CACHE_NAME = re.compile(r"(?P<split>.+)-(?P<fp>[0-9a-f]{16})")
 _TV_KINDS = {"Image": "image", "Video": "image", "Mask": "mask"}
-
-
-class StoreError(ValueError):
-    """Bad input while building a store (names the sample index and the fix)."""
-
-
-class UnstorableSampleError(StoreError):
-    """A sample holds a leaf that has no array form (str, None, ...)."""
 
 
 class CacheInvalidError(RuntimeError):
@@ -84,192 +91,6 @@ class CacheInvalidError(RuntimeError):
 
 def _warn(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=3)
-
-
-# --------------------------------------------------------------------------- structure
-
-
-def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
-    """Convert one leaf of sample ``index`` to an ndarray, or explain why it cannot be."""
-    where = f"sample {index}, field '{path}'"
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bfloat16:
-            raise StoreError(
-                f"{where} is a bfloat16 tensor, which numpy cannot store; return float32 "
-                "(or uint8) from static_transform and convert on the device with augment.ToDtype"
-            )
-        return value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        if value.dtype == object:
-            raise UnstorableSampleError(f"{where} is an object-dtype ndarray")
-        return value
-    if isinstance(value, (bool, np.bool_)):
-        return np.asarray(value, dtype=np.bool_)
-    if isinstance(value, (int, np.integer)):
-        return np.asarray(value, dtype=np.int64)
-    if isinstance(value, (float, np.floating)):
-        return np.asarray(value, dtype=np.float64 if isinstance(value, float) else value.dtype)
-    if type(value).__module__.startswith("PIL."):
-        raise StoreError(
-            f"{where} is a PIL image ({type(value).__name__}); convert it in static_transform, "
-            "e.g. torchvision.transforms.functional.pil_to_tensor(image) for uint8 CHW"
-        )
-    raise UnstorableSampleError(
-        f"{where} is a {type(value).__name__}; only tensors, ndarrays and numbers can be stored"
-    )
-
-
-def _tv_kind(value: Any) -> str | None:
-    """The field kind of a torchvision ``tv_tensors`` leaf (Image/Video: image, Mask: mask, others: other)."""
-    for cls in type(value).__mro__:
-        if cls.__module__.startswith("torchvision.tv_tensors"):
-            return _TV_KINDS.get(cls.__name__, "other")
-    return None
-
-
-def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarray]]]:
-    """Flatten a sample into ``(spec, [(path, array), ...])`` in a fixed leaf order.
-
-    A leaf that is a torchvision ``tv_tensors`` instance records its kind in the spec
-    (``"tv": "image" | "mask" | "other"``), see :func:`field_kinds`. A
-    :class:`~lightning_fastdata.ragged.RaggedArray` (a whole ragged field, as
-    :meth:`Store.from_arrays` takes) is one leaf, kept as it is.
-    """
-    leaves: list[tuple[str, np.ndarray]] = []
-
-    def walk(node: Any, path: str) -> dict:
-        if isinstance(node, (tuple, list)):
-            kind = "tuple" if isinstance(node, tuple) else "list"
-            items = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
-            return {"kind": kind, "items": items}
-        if isinstance(node, dict):
-            keys = list(node)
-            for k in keys:
-                if not isinstance(k, str):
-                    raise StoreError(f"sample {index} has a dict key {k!r}; keys must be str")
-            items = [walk(node[k], f"{path}.{k}" if path else k) for k in keys]
-            return {"kind": "dict", "keys": keys, "items": items}
-        if isinstance(node, RaggedArray):
-            leaves.append((path or "0", node))  # type: ignore[arg-type]
-            return {"kind": "leaf", "field": len(leaves) - 1, "type": "ragged"}
-        kind = "tensor" if isinstance(node, torch.Tensor) else (
-            "ndarray" if isinstance(node, np.ndarray) else "number"
-        )
-        leaves.append((path or "0", _leaf_array(node, index, path or "0")))
-        leaf = {"kind": "leaf", "field": len(leaves) - 1, "type": kind}
-        tv = _tv_kind(node)
-        if tv is not None:
-            leaf["tv"] = tv
-        return leaf
-
-    return walk(sample, ""), leaves
-
-
-def field_kinds(spec: dict) -> list[str]:
-    """Each field's kind, in field order: "image", "mask" or "other".
-
-    From the ``tv_tensors`` types recorded by :func:`flatten` when any leaf has one (the
-    others are "other"); else the first leaf is the image and the rest "other".
-    """
-    tv: dict[int, str | None] = {}
-
-    def walk(node: dict) -> None:
-        if node["kind"] == "leaf":
-            tv[node["field"]] = node.get("tv")
-        else:
-            for item in node["items"]:
-                walk(item)
-
-    walk(spec)
-    if not any(tv.values()):
-        return ["image" if f == 0 else "other" for f in sorted(tv)]
-    return [tv[f] or "other" for f in sorted(tv)]
-
-
-def unflatten(spec: dict, leaves: Sequence[Any]) -> Any:
-    """Rebuild a (batched) sample from its spec and one value per leaf."""
-    kind = spec["kind"]
-    if kind == "leaf":
-        return leaves[spec["field"]]
-    items = [unflatten(s, leaves) for s in spec["items"]]
-    if kind == "tuple":
-        return tuple(items)
-    if kind == "list":
-        return items
-    return dict(zip(spec["keys"], items, strict=True))
-
-
-@dataclass(frozen=True)
-class FieldInfo:
-    """One field of a store: its name (the leaf's path), dtype, per-sample shape and kind.
-
-    A ragged field (``ragged=True``) has ``-1`` for every dimension of ``shape`` (each
-    sample has its own, see :class:`~lightning_fastdata.ragged.RaggedArray`), and
-    ``mean_nbytes``, its bytes per sample on average (estimated from the probe samples
-    while building, exact once stored). A field stored as JPEG has ``encoding="jpeg"``:
-    its values are bytes (``dtype`` uint8, ``shape`` ``(-1,)``).
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str = "other"
-    ragged: bool = False
-    encoding: str | None = None
-    mean_nbytes: int = 0
-
-    @property
-    def row_nbytes(self) -> int:
-        """Bytes per sample (the mean for a ragged field)."""
-        if self.ragged:
-            return int(self.mean_nbytes)
-        return int(np.dtype(self.dtype).itemsize * math.prod(self.shape))
-
-
-def _signature(leaves: list[tuple[str, np.ndarray]]) -> list[FieldInfo]:
-    return [FieldInfo(p, a.dtype.str, tuple(a.shape)) for p, a in leaves]
-
-
-def _ragged_info(info: FieldInfo, kind: str | None = None, encoding: str | None = None) -> FieldInfo:
-    """``info`` as a ragged field: -1 per dimension (stored JPEG bytes: one dimension, uint8)."""
-    if encoding is not None:
-        return replace(info, dtype=np.dtype(np.uint8).str, shape=(-1,), ragged=True, encoding=encoding,
-                       kind=kind or info.kind)
-    return replace(info, shape=(-1,) * len(info.shape), ragged=True, kind=kind or info.kind)
-
-
-def _with_kinds(infos: list[FieldInfo], spec: dict) -> list[FieldInfo]:
-    return [replace(i, kind=k) for i, k in zip(infos, field_kinds(spec), strict=True)]
-
-
-def _check_like(expected: list[FieldInfo], leaves: list[tuple[str, np.ndarray]], index: int) -> None:
-    got = _signature(leaves)
-    if [f.name for f in got] != [f.name for f in expected]:
-        raise StoreError(
-            f"sample {index} has fields {[f.name for f in got]}, sample 0 has "
-            f"{[f.name for f in expected]}; static_transform must return one structure for all samples"
-        )
-    for e, g in zip(expected, got, strict=True):
-        if e.encoding is not None:
-            continue  # the encoder checks each sample: a uint8 image or JPEG bytes
-        if e.ragged:
-            if len(e.shape) != len(g.shape) or e.dtype != g.dtype:
-                raise StoreError(
-                    f"sample {index}, ragged field '{g.name}' has {len(g.shape)} dimension(s) {g.shape} dtype "
-                    f"{np.dtype(g.dtype)}, sample 0 has {len(e.shape)} dimension(s) dtype {np.dtype(e.dtype)}; "
-                    "a ragged field may change its shape from sample to sample, not its number of dimensions "
-                    "or its dtype: make static_transform return one of each"
-                )
-            continue
-        if e.shape != g.shape or e.dtype != g.dtype:
-            hint = (f"; name it in ragged=[{g.name!r}] if its shape varies by design"
-                    if e.shape != g.shape and e.dtype == g.dtype else "")
-            raise StoreError(
-                f"sample {index}, field '{g.name}' has shape {g.shape} dtype {np.dtype(g.dtype)}, "
-                f"sample 0 has shape {e.shape} dtype {np.dtype(e.dtype)}; make static_transform "
-                "return one shape and dtype for every sample (e.g. resize to a fixed size), "
-                "or pass store=False to load samples one by one through DataLoader workers" + hint
-            )
 
 
 # --------------------------------------------------------------------------- the store
@@ -313,10 +134,6 @@ class Store:
         """Field name -> kind ("image", "mask" or "other"), as recorded in the manifest."""
         return {i.name: i.kind for i in self.infos}
 
-    def batch(self, leaves: Sequence[Any]) -> Any:
-        """Rebuild the sample structure around batched leaves."""
-        return unflatten(self.spec, leaves)
-
     def close(self) -> None:
         """Give up the reader lease (the arrays stay readable); prune may then remove the cache."""
         if self.lease is not None:
@@ -344,79 +161,13 @@ class Store:
                                        mean_nbytes=-(-a.values.nbytes // max(1, len(a)))))
             else:
                 infos.append(FieldInfo(p, a.dtype.str, tuple(a.shape[1:])))
-        return cls(fields, _with_kinds(infos, spec), spec, fingerprint)
+        return cls(fields, with_kinds(infos, spec), spec, fingerprint)
 
 
 # --------------------------------------------------------------------------- probing
 
 
 probe_indices = F.probe_indices
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a store keeps its fields: which are ragged, which are encoded as JPEG, and how.
-
-    Attributes:
-        ragged: Fields whose shape may vary from sample to sample.
-        encode: Field -> "jpeg" (an encoded field is ragged too).
-        jpeg_quality: JPEG quality of store-time encoding, 1-100.
-        max_side: Longest image side after store-time resizing, ``None`` to keep sizes.
-    """
-
-    ragged: tuple[str, ...] = ()
-    encode: tuple[tuple[str, str], ...] = ()
-    jpeg_quality: int = 90
-    max_side: int | None = None
-
-    @classmethod
-    def of(cls, ragged: Sequence[str] | None = None, encode: Mapping[str, str] | None = None,
-           jpeg_quality: int = 90, max_side: int | None = None) -> Layout:
-        """A checked layout; raises :class:`StoreError` naming the bad setting."""
-        if ragged is None:
-            ragged = ()
-        if isinstance(ragged, str) or not isinstance(ragged, (list, tuple, set, frozenset)) or not all(
-                isinstance(r, str) for r in ragged):
-            raise StoreError(f"ragged must be a list of field names, got {ragged!r}")
-        try:
-            enc = E.check_settings(encode, jpeg_quality, max_side)
-        except ValueError as e:
-            raise StoreError(str(e)) from None
-        return cls(tuple(sorted(set(ragged))), tuple(sorted(enc.items())), jpeg_quality, max_side)
-
-    def encoding(self, name: str) -> str | None:
-        return dict(self.encode).get(name)
-
-    def is_ragged(self, name: str) -> bool:
-        return name in self.ragged or self.encoding(name) is not None
-
-    def config(self) -> dict[str, Any]:
-        """What enters the fingerprint (nothing for a store without ragged or encoded fields)."""
-        out: dict[str, Any] = {}
-        if self.ragged:
-            out["ragged"] = list(self.ragged)
-        if self.encode:
-            out.update(encode=dict(self.encode), jpeg_quality=self.jpeg_quality, max_side=self.max_side)
-        return {"store_layout": out} if out else {}
-
-    def apply(self, infos: list[FieldInfo]) -> list[FieldInfo]:
-        """The stored form of the probe's fields; unknown names are a :class:`StoreError`."""
-        names = [i.name for i in infos]
-        for what, named in (("ragged", self.ragged), ("encode", [n for n, _ in self.encode])):
-            for name in named:
-                if name not in names:
-                    raise StoreError(f"{what} names a field {name!r} that the samples do not have; their fields "
-                                     f"are {names} (dict keys, or positions '0', '1' for tuples)")
-        return [_ragged_info(i, encoding=self.encoding(i.name)) if self.is_ragged(i.name) else i for i in infos]
-
-    def stored(self, info: FieldInfo, value: np.ndarray, index: int) -> tuple[np.ndarray, tuple[int, ...] | None]:
-        """A sample's value as stored, and its decoded shape when encoded (``None`` otherwise)."""
-        if info.encoding is None:
-            return value, None
-        try:
-            return E.encode_jpeg_leaf(value, self.jpeg_quality, self.max_side, f"sample {index}, field '{info.name}'")
-        except ValueError as e:
-            raise StoreError(str(e)) from None
 
 
 @dataclass
@@ -441,9 +192,9 @@ def _probe(dataset: Any, transform: Callable[[Any], Any], n: int, probes: int, l
     for i in idx:
         s, leaves = flatten(transform(dataset[i]), i)
         if not infos:
-            spec, infos = s, layout.apply(_with_kinds(_signature(leaves), s))
+            spec, infos = s, layout.apply(with_kinds(signature(leaves), s))
         else:
-            _check_like(infos, leaves, i)
+            check_like(infos, leaves, i)
         digests[i] = F.leaf_digests(leaves)
         for k, (info, (_, value)) in enumerate(zip(infos, leaves, strict=True)):
             if info.ragged:
@@ -733,260 +484,6 @@ def lock_path(cache: Path) -> Path:
     return cache.with_name(f"{_LOCK_PREFIX}{cache.name}")
 
 
-# --------------------------------------------------------------------------- space
-
-
-def _field_nbytes(n: int, info: FieldInfo) -> int:
-    """Bytes one field's files will take (a ragged field's values estimated from the probe samples)."""
-    if not info.ragged:
-        return n * info.row_nbytes + _NPY_HEADER
-    index = 8 * ((n + 1) + n * len(info.shape) + (3 * n if info.encoding else 0))
-    return n * info.mean_nbytes + index + 4 * _NPY_HEADER
-
-
-def _estimate_nbytes(n: int, infos: Sequence[FieldInfo]) -> int:
-    """Bytes the store will take: each field's rows, its .npy headers, and room for the manifest."""
-    return sum(_field_nbytes(n, i) for i in infos) + (64 << 10)
-
-
-def _no_room(name: str, root: Path, free: int, n: int, infos: Sequence[FieldInfo]) -> StoreError:
-    row = sum(i.row_nbytes for i in infos)
-    per = "on average, estimated from the probe samples" if any(i.ragged for i in infos) else ""
-    return StoreError(
-        f"caching '{name}' needs {fmt_bytes(_estimate_nbytes(n, infos))} ({n} samples x {fmt_bytes(row)}"
-        f"{', ' + per if per else ''}) in cache_dir {root}, which has {fmt_bytes(free)} free; set cache_dir to a "
-        "filesystem with more room (or free space there)"
-    )
-
-
-def _check_space(name: str, root: Path, n: int, infos: Sequence[FieldInfo]) -> None:
-    free = shutil.disk_usage(root).free
-    if free < _estimate_nbytes(n, infos):
-        raise _no_room(name, root, free, n, infos)
-
-
-def _reserve(files: Sequence[Path], name: str, root: Path, n: int, infos: Sequence[FieldInfo]) -> None:
-    """Allocate every file's blocks now, so a full disk is ENOSPC here and never a SIGBUS while filling."""
-    if not hasattr(os, "posix_fallocate"):
-        return
-    free = shutil.disk_usage(root).free  # before this build's own allocations, for the message
-    for f in files:
-        fd = os.open(f, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_room(name, root, free, n, infos) from e
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-            return  # the filesystem cannot reserve space: fill as before
-        finally:
-            os.close(fd)
-
-
-# --------------------------------------------------------------------------- building
-#
-# Fixed-shape fields are preallocated ``.npy`` memmaps (reserved with posix_fallocate)
-# that every chunk fills in place. A ragged field's size is known only once every sample
-# is transformed, so while filling, chunk c writes its samples' values end to end into
-# its own part file ``field_<k>.part<c>`` (plain writes: a full disk is ENOSPC, never a
-# SIGBUS) and each sample's element count and shape into preallocated memmaps. After the
-# fill, the counts become offsets (a cumulative sum) and the parts are appended in chunk
-# order into ``field_<k>.values.npy`` (copy_file_range: in-kernel, each part deleted once
-# copied, so the peak is the values plus one part). All of it happens in the private
-# temporary directory that is published by one rename, or removed on any failure.
-
-_NO_ROOM = "NoRoom"
-
-
-def _field_files(k: int, info: FieldInfo) -> dict[str, str]:
-    """The file of each role of field ``k``: ``data`` for a fixed field; values, offsets, shapes (decoded)."""
-    if not info.ragged:
-        return {"data": f"field_{k}.npy"}
-    roles = ("values", "offsets", "shapes", "decoded") if info.encoding else ("values", "offsets", "shapes")
-    return {role: f"field_{k}.{role}.npy" for role in roles}
-
-
-def _part_file(k: int, chunk: int) -> str:
-    return f"field_{k}.part{chunk:08d}"
-
-
-def _create_fixed_files(tmp: Path, n: int, infos: list[FieldInfo]) -> list[Path]:
-    """Create every file whose size is known before filling (all but the ragged values)."""
-    made = []
-    for k, info in enumerate(infos):
-        files = _field_files(k, info)
-        if info.ragged:
-            ndim = len(info.shape)
-            shapes = {"offsets": ((n + 1,), np.int64), "shapes": ((n, ndim), np.int64), "decoded": ((n, 3), np.int64)}
-            todo = [(files[r], *shapes[r]) for r in files if r != "values"]
-        else:
-            todo = [(files["data"], (n, *info.shape), np.dtype(info.dtype))]
-        for fname, shape, dtype in todo:
-            f = tmp / fname
-            arr = np.lib.format.open_memmap(f, mode="w+", dtype=dtype, shape=shape)
-            del arr
-            os.chmod(f, 0o600)
-            made.append(f)
-    return made
-
-
-class _FillChunks(torch.utils.data.Dataset):
-    """Runs the static transform over index ranges and writes rows straight into the files.
-
-    Used in-process or inside DataLoader workers: each worker opens the temporary
-    ``.npy`` files read-write and fills its own rows (a ragged field: its own part file,
-    see above), so no sample crosses a pipe.
-    """
-
-    def __init__(self, dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo],
-                 chunks: list[tuple[int, int]], layout: Layout) -> None:
-        self.dataset, self.transform, self.tmp, self.infos = dataset, transform, tmp, infos
-        self.chunks, self.layout = chunks, layout
-        self._arrays: list[dict[str, np.ndarray]] | None = None
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def _open(self) -> list[dict[str, np.ndarray]]:
-        return [{role: np.load(self.tmp / f, mmap_mode="r+", allow_pickle=False)
-                 for role, f in _field_files(k, info).items() if role != "values"}
-                for k, info in enumerate(self.infos)]
-
-    def __getitem__(self, c: int) -> int | str:
-        """Fill chunk ``c``; returns the rows written, or the message of a bad sample or a full disk.
-
-        Bad input comes back as a value rather than an exception, so a worker's message
-        reaches the user as it is, not inside DataLoader's worker traceback.
-        """
-        if self._arrays is None:
-            self._arrays = self._open()
-        a, b = self.chunks[c]
-        parts: dict[int, Any] = {}
-        try:
-            for k, info in enumerate(self.infos):
-                if info.ragged:
-                    fd = os.open(self.tmp / _part_file(k, c), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                                 | os.O_CLOEXEC, 0o600)
-                    parts[k] = os.fdopen(fd, "wb")
-            for i in range(a, b):
-                _, leaves = flatten(self.transform(self.dataset[i]), i)
-                _check_like(self.infos, leaves, i)
-                for k, (info, (_, value)) in enumerate(zip(self.infos, leaves, strict=True)):
-                    arrays = self._arrays[k]
-                    if not info.ragged:
-                        arrays["data"][i] = value
-                        continue
-                    stored, decoded = self.layout.stored(info, value, i)
-                    arrays["offsets"][i + 1] = stored.size
-                    arrays["shapes"][i] = stored.shape
-                    if decoded is not None:
-                        arrays["decoded"][i] = decoded
-                    parts[k].write(memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8)))
-            for k in list(parts):
-                parts.pop(k).close()  # flushes: a full disk shows here at the latest
-        except StoreError as e:
-            return f"{type(e).__name__}:{e}"
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return f"{_NO_ROOM}:{e}"
-            raise
-        finally:
-            for fh in parts.values():
-                with contextlib.suppress(OSError):
-                    fh.close()
-        for arrays in self._arrays:
-            for arr in arrays.values():
-                arr.flush()
-        return b - a
-
-
-def _fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n: int, layout: Layout,
-          workers: int, desc: str, progress: bool, no_room: Callable[[], StoreError]) -> int:
-    """Fill every row; returns the number of chunks (a ragged field has one part file per chunk)."""
-    from tqdm.auto import tqdm
-
-    chunk = max(1, min(256, math.ceil(n / max(1, workers * 8))))
-    chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-    filler = _FillChunks(dataset, transform, tmp, infos, chunks, layout)
-    with tqdm(total=n, desc=desc, unit="sample", disable=not progress, leave=False) as bar:
-        if workers <= 1:
-            results: Any = (filler[k] for k in range(len(chunks)))
-        else:
-            results = torch.utils.data.DataLoader(
-                filler, batch_size=None, num_workers=workers, shuffle=False,
-                worker_init_fn=_single_thread_worker,
-            )
-        for done in results:
-            if isinstance(done, str):
-                kind, _, message = done.partition(":")
-                if kind == _NO_ROOM:
-                    raise no_room()
-                raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(message)
-            bar.update(int(done))
-    return len(chunks)
-
-
-def _copy_into(dst: int, src: Path) -> None:
-    """Append the file ``src`` to the descriptor ``dst`` (in the kernel where it can)."""
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        left = os.fstat(fd).st_size
-        while left > 0:
-            try:
-                done = os.copy_file_range(fd, dst, left) if hasattr(os, "copy_file_range") else 0
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                done = 0
-            if done == 0:  # no in-kernel copy here: read and write
-                block = os.read(fd, min(left, _CRC_BLOCK))
-                if not block:
-                    break
-                view = memoryview(block)
-                while len(view):
-                    view = view[os.write(dst, view):]
-                done = len(block)
-            left -= done
-    finally:
-        os.close(fd)
-
-
-def _join_ragged(tmp: Path, k: int, info: FieldInfo, chunks: int) -> None:
-    """Counts -> offsets, and the chunks' part files -> ``values`` (see the note above ``_FillChunks``)."""
-    files = _field_files(k, info)
-    offsets = np.load(tmp / files["offsets"], mmap_mode="r+", allow_pickle=False)
-    offsets[0] = 0
-    np.cumsum(offsets[1:], out=offsets[1:])
-    offsets.flush()
-    total = int(offsets[-1])
-    del offsets
-    dtype = np.dtype(info.dtype)
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (total,)})
-    path = tmp / files["values"]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(header.getvalue())
-        while len(view):
-            view = view[os.write(fd, view):]
-        for c in range(chunks):
-            part = tmp / _part_file(k, c)
-            _copy_into(fd, part)
-            os.unlink(part)
-    finally:
-        os.close(fd)
-    expected = len(header.getvalue()) + total * dtype.itemsize
-    if os.stat(path).st_size != expected:  # a bug, not bad input: never publish it
-        raise RuntimeError(f"lightning_fastdata: joining the values of field '{info.name}' gave "
-                           f"{os.stat(path).st_size} bytes, expected {expected}")
-
-
-def _single_thread_worker(_: int) -> None:
-    torch.set_num_threads(1)
-
-
 def _dir_for(root: Path, namespace: str) -> Path:
     if not namespace:
         return root
@@ -1199,7 +696,7 @@ def _manifest_field(tmp: Path, k: int, info: FieldInfo) -> dict[str, Any]:
     if info.ragged:
         entry["encoding"] = info.encoding
     entry["files"] = {role: {"file": f, "bytes": (tmp / f).stat().st_size, "crc32": _crc32(tmp / f)}
-                      for role, f in _field_files(k, info).items()}
+                      for role, f in field_files(k, info).items()}
     return entry
 
 
@@ -1208,25 +705,25 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
            parallel_threshold_s: float, layout: Layout) -> None:
     """Write the store into a temporary directory and publish it by one rename; leave nothing on failure."""
     infos = probe.infos
-    _check_space(name, root, n, infos)
+    check_space(name, root, n, infos)
     free = shutil.disk_usage(root).free  # for the message, should the disk fill up while writing
     host = socket.gethostname().replace("~", "-")
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}~{host}~{os.getpid()}~", dir=root))
     try:
-        _reserve(_create_fixed_files(tmp, n, infos), name, root, n, infos)
+        reserve(create_fixed_files(tmp, n, infos), name, root, n, infos)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         workers = num_workers if num_workers is not None else (
             min(cores, 8) if probe.per_sample_s * n > parallel_threshold_s and cores > 1 else 0
         )
-        chunks = _fill(dataset, transform, tmp, infos, n, layout, workers, f"fastdata: caching '{name}'", progress,
-                       lambda: _no_room(name, root, free, n, infos))
+        chunks = fill(dataset, transform, tmp, infos, n, layout, workers, f"fastdata: caching '{name}'", progress,
+                       lambda: no_room(name, root, free, n, infos))
         try:
             for k, info in enumerate(infos):
                 if info.ragged:
-                    _join_ragged(tmp, k, info, chunks)
+                    join_ragged(tmp, k, info, chunks)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_room(name, root, free, n, infos) from e
+                raise no_room(name, root, free, n, infos) from e
             raise
         manifest = {
             "format": FORMAT,

@@ -11,10 +11,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_fastdata"
 #: Modules only the top of the package may import: nothing below them may.
 TOP = {"datamodule", "callbacks", "cli", "demo"}
 #: Modules that must not import Lightning at all (they are usable and testable without it).
-NO_LIGHTNING = {"store", "fingerprint", "augment", "keys", "_util", "placement", "loaders", "shared", "plan",
-                "distributed", "ragged", "encode", "decode", "graphs"}
+NO_LIGHTNING = {"store", "fill", "structure", "fingerprint", "augment", "keys", "_util", "placement", "loaders",
+                "shared", "plan", "distributed", "ragged", "encode", "decode", "graphs"}
 #: The data path's layers, top to bottom: a module may import only layers below its own.
-LAYERS = ["datamodule", "loaders", "placement", "shared", "store"]
+LAYERS = ["datamodule", "loaders", "placement", "shared", "store", "fill", "structure"]
 
 
 def _modules() -> dict[str, Path]:

@@ -10,6 +10,7 @@ import torch
 from _helpers import CountingDataset
 
 from lightning_fastdata.store import FORMAT_VERSION, Store, StoreError, build_store, open_store
+from lightning_fastdata.structure import unflatten
 
 
 def test_roundtrip_bit_equal_and_structure(cache_dir):
@@ -21,7 +22,7 @@ def test_roundtrip_bit_equal_and_structure(cache_dir):
         img, lab = ds[i]
         assert np.array_equal(store.fields[0][i], img.numpy())
         assert store.fields[1][i] == lab
-    batch = store.batch([torch.from_numpy(np.asarray(a[:4])) for a in store.fields])
+    batch = unflatten(store.spec, [torch.from_numpy(np.asarray(a[:4])) for a in store.fields])
     assert set(batch) == {"image", "label"} and batch["image"].shape == (4, 3, 8, 8)
 
 

@@ -1,0 +1,213 @@
+"""The structure of a sample: its leaves as named fields, and back.
+
+A sample (a tensor, number, ndarray, or a tuple/list/dict of those) is flattened into
+leaves in a fixed order; leaf ``k`` is field ``k``, named by its path ("0", "1" for tuple
+positions, dict keys, "a.b" when nested). :class:`FieldInfo` describes a field (dtype,
+per-sample shape, kind, ragged, encoding); :func:`check_like` says, naming the sample and
+the field, why a sample does not fit the fields of the first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_fastdata.ragged import RaggedArray
+
+_TV_KINDS = {"Image": "image", "Video": "image", "Mask": "mask"}
+
+
+class StoreError(ValueError):
+    """Bad input while building a store (names the sample index and the fix)."""
+
+
+class UnstorableSampleError(StoreError):
+    """A sample holds a leaf that has no array form (str, None, ...)."""
+
+
+def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
+    """Convert one leaf of sample ``index`` to an ndarray, or explain why it cannot be."""
+    where = f"sample {index}, field '{path}'"
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:
+            raise StoreError(
+                f"{where} is a bfloat16 tensor, which numpy cannot store; return float32 "
+                "(or uint8) from static_transform and convert on the device with augment.ToDtype"
+            )
+        return value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            raise UnstorableSampleError(f"{where} is an object-dtype ndarray")
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return np.asarray(value, dtype=np.bool_)
+    if isinstance(value, (int, np.integer)):
+        return np.asarray(value, dtype=np.int64)
+    if isinstance(value, (float, np.floating)):
+        return np.asarray(value, dtype=np.float64 if isinstance(value, float) else value.dtype)
+    if type(value).__module__.startswith("PIL."):
+        raise StoreError(
+            f"{where} is a PIL image ({type(value).__name__}); convert it in static_transform, "
+            "e.g. torchvision.transforms.functional.pil_to_tensor(image) for uint8 CHW"
+        )
+    raise UnstorableSampleError(
+        f"{where} is a {type(value).__name__}; only tensors, ndarrays and numbers can be stored"
+    )
+
+
+def _tv_kind(value: Any) -> str | None:
+    """The field kind of a torchvision ``tv_tensors`` leaf (Image/Video: image, Mask: mask, others: other)."""
+    for cls in type(value).__mro__:
+        if cls.__module__.startswith("torchvision.tv_tensors"):
+            return _TV_KINDS.get(cls.__name__, "other")
+    return None
+
+
+def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarray]]]:
+    """Flatten a sample into ``(spec, [(path, array), ...])`` in a fixed leaf order.
+
+    A leaf that is a torchvision ``tv_tensors`` instance records its kind in the spec
+    (``"tv": "image" | "mask" | "other"``), see :func:`field_kinds`. A
+    :class:`~lightning_fastdata.ragged.RaggedArray` (a whole ragged field, as
+    :meth:`Store.from_arrays` takes) is one leaf, kept as it is.
+    """
+    leaves: list[tuple[str, np.ndarray]] = []
+
+    def walk(node: Any, path: str) -> dict:
+        if isinstance(node, (tuple, list)):
+            kind = "tuple" if isinstance(node, tuple) else "list"
+            items = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+            return {"kind": kind, "items": items}
+        if isinstance(node, dict):
+            keys = list(node)
+            for k in keys:
+                if not isinstance(k, str):
+                    raise StoreError(f"sample {index} has a dict key {k!r}; keys must be str")
+            items = [walk(node[k], f"{path}.{k}" if path else k) for k in keys]
+            return {"kind": "dict", "keys": keys, "items": items}
+        if isinstance(node, RaggedArray):
+            leaves.append((path or "0", node))  # type: ignore[arg-type]
+            return {"kind": "leaf", "field": len(leaves) - 1, "type": "ragged"}
+        kind = "tensor" if isinstance(node, torch.Tensor) else (
+            "ndarray" if isinstance(node, np.ndarray) else "number"
+        )
+        leaves.append((path or "0", _leaf_array(node, index, path or "0")))
+        leaf = {"kind": "leaf", "field": len(leaves) - 1, "type": kind}
+        tv = _tv_kind(node)
+        if tv is not None:
+            leaf["tv"] = tv
+        return leaf
+
+    return walk(sample, ""), leaves
+
+
+def field_kinds(spec: dict) -> list[str]:
+    """Each field's kind, in field order: "image", "mask" or "other".
+
+    From the ``tv_tensors`` types recorded by :func:`flatten` when any leaf has one (the
+    others are "other"); else the first leaf is the image and the rest "other".
+    """
+    tv: dict[int, str | None] = {}
+
+    def walk(node: dict) -> None:
+        if node["kind"] == "leaf":
+            tv[node["field"]] = node.get("tv")
+        else:
+            for item in node["items"]:
+                walk(item)
+
+    walk(spec)
+    if not any(tv.values()):
+        return ["image" if f == 0 else "other" for f in sorted(tv)]
+    return [tv[f] or "other" for f in sorted(tv)]
+
+
+def unflatten(spec: dict, leaves: Sequence[Any]) -> Any:
+    """Rebuild a (batched) sample from its spec and one value per leaf."""
+    kind = spec["kind"]
+    if kind == "leaf":
+        return leaves[spec["field"]]
+    items = [unflatten(s, leaves) for s in spec["items"]]
+    if kind == "tuple":
+        return tuple(items)
+    if kind == "list":
+        return items
+    return dict(zip(spec["keys"], items, strict=True))
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """One field of a store: its name (the leaf's path), dtype, per-sample shape and kind.
+
+    A ragged field (``ragged=True``) has ``-1`` for every dimension of ``shape`` (each
+    sample has its own, see :class:`~lightning_fastdata.ragged.RaggedArray`), and
+    ``mean_nbytes``, its bytes per sample on average (estimated from the probe samples
+    while building, exact once stored). A field stored as JPEG has ``encoding="jpeg"``:
+    its values are bytes (``dtype`` uint8, ``shape`` ``(-1,)``).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str = "other"
+    ragged: bool = False
+    encoding: str | None = None
+    mean_nbytes: int = 0
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes per sample (the mean for a ragged field)."""
+        if self.ragged:
+            return int(self.mean_nbytes)
+        return int(np.dtype(self.dtype).itemsize * math.prod(self.shape))
+
+
+def signature(leaves: list[tuple[str, np.ndarray]]) -> list[FieldInfo]:
+    return [FieldInfo(p, a.dtype.str, tuple(a.shape)) for p, a in leaves]
+
+
+def ragged_info(info: FieldInfo, kind: str | None = None, encoding: str | None = None) -> FieldInfo:
+    """``info`` as a ragged field: -1 per dimension (stored JPEG bytes: one dimension, uint8)."""
+    if encoding is not None:
+        return replace(info, dtype=np.dtype(np.uint8).str, shape=(-1,), ragged=True, encoding=encoding,
+                       kind=kind or info.kind)
+    return replace(info, shape=(-1,) * len(info.shape), ragged=True, kind=kind or info.kind)
+
+
+def with_kinds(infos: list[FieldInfo], spec: dict) -> list[FieldInfo]:
+    return [replace(i, kind=k) for i, k in zip(infos, field_kinds(spec), strict=True)]
+
+
+def check_like(expected: list[FieldInfo], leaves: list[tuple[str, np.ndarray]], index: int) -> None:
+    got = signature(leaves)
+    if [f.name for f in got] != [f.name for f in expected]:
+        raise StoreError(
+            f"sample {index} has fields {[f.name for f in got]}, sample 0 has "
+            f"{[f.name for f in expected]}; static_transform must return one structure for all samples"
+        )
+    for e, g in zip(expected, got, strict=True):
+        if e.encoding is not None:
+            continue  # the encoder checks each sample: a uint8 image or JPEG bytes
+        if e.ragged:
+            if len(e.shape) != len(g.shape) or e.dtype != g.dtype:
+                raise StoreError(
+                    f"sample {index}, ragged field '{g.name}' has {len(g.shape)} dimension(s) {g.shape} dtype "
+                    f"{np.dtype(g.dtype)}, sample 0 has {len(e.shape)} dimension(s) dtype {np.dtype(e.dtype)}; "
+                    "a ragged field may change its shape from sample to sample, not its number of dimensions "
+                    "or its dtype: make static_transform return one of each"
+                )
+            continue
+        if e.shape != g.shape or e.dtype != g.dtype:
+            hint = (f"; name it in ragged=[{g.name!r}] if its shape varies by design"
+                    if e.shape != g.shape and e.dtype == g.dtype else "")
+            raise StoreError(
+                f"sample {index}, field '{g.name}' has shape {g.shape} dtype {np.dtype(g.dtype)}, "
+                f"sample 0 has shape {e.shape} dtype {np.dtype(e.dtype)}; make static_transform "
+                "return one shape and dtype for every sample (e.g. resize to a fixed size), "
+                "or pass store=False to load samples one by one through DataLoader workers" + hint
+            )
