@@ -8,8 +8,8 @@ optimizer step) trains one epoch over 50,000 CIFAR-sized samples (3x32x32 uint8,
   again: the floor, Lightning's own per-step cost;
 * ``fastdata device, ahead``: ``OptimizedDataModule`` with the ``device`` strategy and
   ``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip()``, the next batch gathered and
-  augmented in a background thread while the step runs (``augment_ahead=1``, the default);
-* ``fastdata device, inline``: the same with ``augment_ahead=0`` (gather and augment in the
+  augmented in a background thread while the step runs (``augment_ahead=1``, the default on CUDA);
+* ``fastdata device, inline``: the same with ``augment_ahead=0`` (the default on a CPU run: gather and augment in the
   training loop's thread, between steps).
 
 Each arm runs ``--epochs`` epochs; the median epoch time after the first is reported, with
@@ -116,7 +116,7 @@ def run(samples: int, batch_size: int, epochs: int, cache_dir: str) -> dict[str,
         "free loader": lambda: (FreeLoader(ready, steps), None),
         "fastdata device, ahead": lambda: (None, Cifar(images, labels, batch_size=batch_size, drop_last=True,
                                                        strategy="device", device="cpu", cache_dir=cache_dir,
-                                                       train_augment=augment, progress=False)),
+                                                       train_augment=augment, augment_ahead=1, progress=False)),
         "fastdata device, inline": lambda: (None, Cifar(images, labels, batch_size=batch_size, drop_last=True,
                                                         strategy="device", device="cpu", cache_dir=cache_dir,
                                                         train_augment=augment, augment_ahead=0, progress=False)),

@@ -302,13 +302,14 @@ def callback_overhead(results: Path) -> str:
 
 
 @table("other_cpu", "chunked_vs_device_cpu.json", "augment_throughput.json", "callback_overhead.json",
-       "callback_instructions.json")
+       "callback_instructions.json", "null_model_epoch.json")
 def other_cpu(results: Path) -> str:
     """One row per smaller benchmark on the development machine, with its command."""
     chunked = _load(results, "chunked_vs_device_cpu.json")
     aug = _load(results, "augment_throughput.json")
     cb = _load(results, "callback_overhead.json")
     ins = _load(results, "callback_instructions.json")
+    null = _load(results, "null_model_epoch.json")
     size = {"cifar": "CIFAR", "imagenet": "ImageNet"}
     ratios = " / ".join(f"{size.get(r['dataset'], r['dataset'])} {r['chunked_over_full']:.2f}"
                         for r in chunked["throughput"])
@@ -334,11 +335,26 @@ def other_cpu(results: Path) -> str:
          "processes, 95% interval)", callback,
          f"`python benchmarks/callback_overhead.py --processes {lin['processes']}`; "
          "`python benchmarks/callback_instructions.py`"],
+        [f"a Lightning epoch of a null model (no forward, no backward) over {null['samples']:,} CIFAR-sized "
+         f"samples, batch {null['batch_size']}, crop + flip, against a loader that hands out one ready batch "
+         "(median epoch after the first; the target was 1.3x)", _null_model(null),
+         "`OMP_NUM_THREADS=1 python benchmarks/null_model_epoch.py`"],
     ]
     lines = _rows(["what", "figure", "command"], ["---", "---", "---"], rows)
     lines += ["", _source("chunked_vs_device_cpu.json", "augment_throughput.json", "callback_overhead.json",
-                          "callback_instructions.json")]
+                          "callback_instructions.json", "null_model_epoch.json")]
     return "\n".join(lines)
+
+
+def _null_model(d: dict[str, Any]) -> str:
+    arms = d["arms"]
+    free = arms["free loader"]["epoch_s"]
+    parts = [f"free loader {free * 1000:.0f} ms"]
+    for name, arm in arms.items():
+        if name != "free loader":
+            parts.append(f"{name.removeprefix('fastdata ')} {arm['epoch_s'] * 1000:.0f} ms: "
+                         f"**{arm['vs_free_loader']:.2f}x**")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- GPU check

@@ -115,7 +115,10 @@ class OptimizedDataModule(L.LightningDataModule):
         augment_ahead: With the ``device`` and ``chunked`` strategies, batches gathered and
             augmented ahead of the training step in a background thread (on CUDA, on a side
             stream): the next batch is ready when the step ends. 0 does that work in the
-            training loop's thread, between steps.
+            training loop's thread, between steps. ``"auto"``: 1 on CUDA; 0 on a CPU run, where
+            the thread competes with the training step for the same cores and the GIL
+            (measured: a null-model epoch took 6.0x a free loader's with 1, 4.6x with 0, on 2
+            cores; ``benchmarks/null_model_epoch.py``).
         ragged: Fields whose shape may change from sample to sample (e.g. images of
             varying sizes), by name; each is stored end to end with offsets and shapes,
             and reaches the augmentation (and, without a size-fixing op, the model) as a
@@ -156,7 +159,7 @@ class OptimizedDataModule(L.LightningDataModule):
         eval_augment: BatchTransform | None = None,
         field_kinds: dict[str, Literal["image", "mask", "other"]] | None = None,
         augment_field: str | None = None,
-        augment_ahead: int = 1,
+        augment_ahead: int | Literal["auto"] = "auto",
         ragged: list[str] | None = None,
         encode: dict[str, Literal["jpeg"]] | None = None,
         jpeg_quality: int = 90,
@@ -195,8 +198,9 @@ class OptimizedDataModule(L.LightningDataModule):
             for name, kind in field_kinds.items():
                 if kind not in _KINDS:
                     raise ValueError(f"field_kinds[{name!r}] must be one of {_KINDS}, got {kind!r}")
-        if isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int) or not 0 <= augment_ahead <= 4:
-            raise ValueError(f"augment_ahead must be an int in [0, 4], got {augment_ahead!r}")
+        if augment_ahead != _AUTO and (isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int)
+                                       or not 0 <= augment_ahead <= 4):
+            raise ValueError(f"augment_ahead must be 'auto' or an int in [0, 4], got {augment_ahead!r}")
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         if augment_field is not None and field_kinds is not None:
@@ -480,7 +484,7 @@ class OptimizedDataModule(L.LightningDataModule):
             prepare = (None if augment is None or early_hooks else
                        functools.partial(self._prepare, split=split, augment=augment))
             return IndexLoader(source, order, store.spec, [i.name for i in store.infos], prepare=prepare,
-                               ahead=self.augment_ahead)
+                               ahead=self._ahead(source.device))
         seeding = WorkerSeeding(self.seed, rank)
         seeding.follow(order)  # workers seeded per (seed, rank, worker, epoch)
         loader_kw = dict(num_workers=plan.num_workers, pin_memory=plan.pin_memory,
@@ -499,6 +503,11 @@ class OptimizedDataModule(L.LightningDataModule):
                                          kinds=self.kinds(split, names)) if in_workers else None)
             return WorkerLoader(order, source=source, spec=store.spec, names=names, prepare=prepare, **loader_kw)
         return WorkerLoader(order, dataset=transformed(self._raw[split], self.static_transform), **loader_kw)
+
+    def _ahead(self, device: torch.device) -> int:
+        if self.augment_ahead != _AUTO:
+            return int(self.augment_ahead)
+        return 1 if device.type == "cuda" else 0
 
     def _make_loader(self, split: str) -> Any:
         loader = self.build_loader(split)

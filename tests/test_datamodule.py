@@ -352,3 +352,29 @@ def test_training_on_the_cpu_with_workers_augments_in_the_workers(tmp_path):
     assert len(batches) == 4 and all(b.prepared for b in batches)  # augmented before they left the workers
     x, _ = dm.augment_batch(batches[0])  # a prepared batch is not augmented again
     assert x.dtype == torch.float32 and torch.equal(x, batches[0][0])
+
+
+def test_augmenting_ahead_in_a_thread_trains_on_the_same_batches(tmp_path):
+    runs = []
+    for ahead in (0, 1):
+        dm = TinyDataModule(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                            train_augment=_aug(), augment_ahead=ahead)
+        model = TinyModel(record=True)
+        trainer(tmp_path, max_epochs=2).fit(model, dm)
+        runs.append(model.seen)
+    assert len(runs[0]) == len(runs[1]) == 8
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(*runs, strict=True))
+    with pytest.raises(ValueError, match="augment_ahead must be 'auto' or an int in \\[0, 4\\], got 9"):
+        TinyDataModule(augment_ahead=9)
+
+
+def test_augment_ahead_auto_prepares_between_steps_on_a_cpu_run(tmp_path):
+    # On a CPU run a background thread competes with the step for the cores and the GIL.
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        train_augment=_aug())
+    dm.setup("fit")
+    assert dm.augment_ahead == "auto" and dm.train_dataloader().ahead == 0
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        train_augment=_aug(), augment_ahead=2)
+    dm.setup("fit")
+    assert dm.train_dataloader().ahead == 2

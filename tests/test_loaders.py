@@ -160,3 +160,38 @@ def test_worker_loader_prepares_batches_in_the_workers_keyed_by_their_samples(wo
             assert torch.equal(batch["x"][:, 0, 0], epoch * 1000 + batch["i"])
     with pytest.raises(ValueError, match="prepare= needs source="):
         WorkerLoader(ShardedOrder(4, 2), dataset=[0, 1, 2, 3], prepare=_Tag())
+
+
+def _double(batch: FastBatch) -> FastBatch:
+    x, i = batch.leaves
+    return FastBatch([x.to(torch.int16) * 2, i], batch.spec, batch.names, batch.indices, batch.epoch, batch.index,
+                     prepared=True)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_batches_prepared_ahead_in_a_thread_equal_those_prepared_inline(ahead):
+    import threading
+
+    s = _store(50)
+    inline = device_loader(s, ShardedOrder(50, 8, seed=3))
+    inline.prepare = _double
+    want = [b.structure() for b in inline]
+    threaded = device_loader(s, ShardedOrder(50, 8, seed=3))
+    threaded.prepare, threaded.ahead = _double, ahead
+    got = list(threaded)
+    assert [b.prepared for b in got] == [True] * len(want)
+    assert all(torch.equal(g["x"], w["x"]) and torch.equal(g["i"], w["i"]) for g, w in zip(got, want, strict=True))
+    # Stopping early stops the thread; a failure in it reaches the consumer.
+    it = iter(threaded)
+    first = next(it)
+    threaded.consumed(first)
+    it.close()
+    assert threaded.state_dict()["batch"] == 1
+    assert not any(t.name == "lightning_fastdata-ahead" for t in threading.enumerate())
+
+    def boom(batch):
+        raise RuntimeError("prepare failed on purpose")
+
+    threaded.prepare = boom
+    with pytest.raises(RuntimeError, match="prepare failed on purpose"):
+        list(threaded)
