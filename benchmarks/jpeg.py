@@ -54,7 +54,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_fastdata import augment as A
-from lightning_fastdata._util import cpu_count
+from lightning_fastdata._util import atomic_write_text, cpu_count
 from lightning_fastdata.decode import backend, decode_jpegs
 from lightning_fastdata.demo import worker_candidates
 
@@ -341,10 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
     results["meta"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     results["meta"]["seconds"] = round(time.time() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".tmp-{args.out.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(results, indent=2))
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps(results, indent=2))
     print(table(results))
     print(f"\nJSON: {args.out}")
     return results

@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from lightning_fastdata import augment as A
-from lightning_fastdata._util import cpu_count
+from lightning_fastdata._util import atomic_write_text, cpu_count
 from lightning_fastdata.demo import worker_candidates
 from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import FastBatch, IndexLoader, ShardedOrder, WorkerLoader
@@ -426,10 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["shapes"][name] = run_shape(name, args, device, args.threads)
     results["meta"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     results["meta"]["seconds"] = round(time.time() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".tmp-{args.out.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(results, indent=2))
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps(results, indent=2))
     print(table(results))
     print(f"\nJSON: {args.out}")
     return results
