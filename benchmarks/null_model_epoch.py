@@ -2,7 +2,7 @@
 
 A null model (its ``training_step`` returns ``None``: no forward, no backward, no
 optimizer step) trains one epoch over 50,000 CIFAR-sized samples (3x32x32 uint8, batch
-256) three ways, side by side in one process:
+256) four ways, side by side in one process:
 
 * ``free loader``: a loader that hands out one ready batch, already augmented, again and
   again: the floor, Lightning's own per-step cost;
@@ -10,7 +10,9 @@ optimizer step) trains one epoch over 50,000 CIFAR-sized samples (3x32x32 uint8,
   ``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip()``, the next batch gathered and
   augmented in a background thread while the step runs (``augment_ahead=1``, the default on CUDA);
 * ``fastdata device, inline``: the same with ``augment_ahead=0`` (the default on a CPU run: gather and augment in the
-  training loop's thread, between steps).
+  training loop's thread, between steps);
+* ``fastdata workers``: the ``workers`` strategy, its ``num_workers`` chosen by the plan: the
+  DataLoader workers gather and augment, the training process only receives ready batches.
 
 Each arm runs ``--epochs`` epochs; the median epoch time after the first is reported, with
 the ratio to the free loader. Results go to ``benchmarks/results/null_model_epoch.json``.
@@ -120,6 +122,9 @@ def run(samples: int, batch_size: int, epochs: int, cache_dir: str) -> dict[str,
         "fastdata device, inline": lambda: (None, Cifar(images, labels, batch_size=batch_size, drop_last=True,
                                                         strategy="device", device="cpu", cache_dir=cache_dir,
                                                         train_augment=augment, augment_ahead=0, progress=False)),
+        "fastdata workers": lambda: (None, Cifar(images, labels, batch_size=batch_size, drop_last=True,
+                                                 strategy="workers", device="cpu", cache_dir=cache_dir,
+                                                 train_augment=augment, progress=False)),
     }
     for name, make in arms.items():
         loader, dm = make()
@@ -133,6 +138,8 @@ def run(samples: int, batch_size: int, epochs: int, cache_dir: str) -> dict[str,
         epoch_s = statistics.median(timer.times[1:]) if len(timer.times) > 1 else timer.times[0]
         out["arms"][name] = {"epoch_s": epoch_s, "epoch_times_s": timer.times,
                              "samples_per_epoch": model.samples // epochs}
+        if dm is not None and dm.plan is not None and dm.plan.strategy == "workers":
+            out["arms"][name]["num_workers"] = dm.plan.num_workers
         print(f"{name:26s} {epoch_s * 1e3:8.1f} ms/epoch", file=sys.stderr)
     free = out["arms"]["free loader"]["epoch_s"]
     for arm in out["arms"].values():

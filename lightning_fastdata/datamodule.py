@@ -117,7 +117,7 @@ class OptimizedDataModule(L.LightningDataModule):
             stream): the next batch is ready when the step ends. 0 does that work in the
             training loop's thread, between steps. ``"auto"``: 1 on CUDA; 0 on a CPU run, where
             the thread competes with the training step for the same cores and the GIL
-            (measured: a null-model epoch took 6.0x a free loader's with 1, 4.6x with 0, on 2
+            (measured: a null-model epoch took 6.4x a free loader's with 1, 4.9x with 0, on 2
             cores; ``benchmarks/null_model_epoch.py``).
         ragged: Fields whose shape may change from sample to sample (e.g. images of
             varying sizes), by name; each is stored end to end with offsets and shapes,
