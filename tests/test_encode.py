@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as tnf
+import torchvision.transforms.v2.functional as TF
 
 from lightning_fastdata import OptimizedDataModule
+from lightning_fastdata import augment as A
 from lightning_fastdata.encode import capped_size, encode_jpeg_leaf, is_jpeg, jpeg_shape, quiet_codec_warnings
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch
 from lightning_fastdata.store import StoreError, build_store
@@ -206,3 +208,40 @@ def test_a_jpeg_field_reaches_the_user_decoded_as_a_list(tmp_path, jpeg_files, s
     finally:
         dm.teardown("fit")
     assert os.path.isdir(tmp_path / "cache")
+
+
+class _RecordedResizedCrop(A.RandomResizedCrop):
+    """RandomResizedCrop that keeps the boxes it drew, to rebuild each crop with torchvision."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.boxes: list[dict[str, torch.Tensor]] = []
+
+    def apply_batch(self, batch, **params):
+        self.boxes.append({k: v.clone() for k, v in params.items()})
+        return super().apply_batch(batch, **params)
+
+
+def test_resized_crops_from_the_stored_jpegs_equal_torchvision_on_the_same_bytes(tmp_path, jpeg_files):
+    """The whole path (stored bytes, batched decode, RandomResizedCrop of the list) against
+    torchvision's decode_jpeg + resized_crop of each file's bytes at the same box: within 1
+    on uint8 (torch's fixed-point antialiased uint8 kernel rounds differently)."""
+    op = _RecordedResizedCrop(64)
+    dm = PhotoModule(jpeg_files, batch_size=8, cache_dir=str(tmp_path / "cache"), encode={"0": "jpeg"},
+                     device="cpu", strategy="device", train_augment=op)
+    dm.setup("fit")
+    try:
+        checked = 0
+        for batch in dm.train_dataloader():
+            images, _ = dm.on_after_batch_transfer(batch, 0)
+            assert images.shape == (len(batch), 3, 64, 64) and images.dtype == torch.uint8
+            box = op.boxes[-1]
+            for row, i in enumerate(batch.indices.tolist()):
+                raw = torch.from_numpy(np.fromfile(jpeg_files[i], dtype=np.uint8))
+                t, lft, h, w = (int(box[k][row]) for k in ("top", "left", "height", "width"))
+                ref = TF.resized_crop(decode(raw), t, lft, h, w, [64, 64], antialias=True)
+                assert (images[row].int() - ref.int()).abs().max().item() <= 1, (i, t, lft, h, w)
+                checked += 1
+        assert checked == N
+    finally:
+        dm.teardown("fit")
