@@ -25,7 +25,8 @@ their masks, delivered on ``--device``. Loader-only: no model; median samples/s 
   ``field_kinds={"image": "image", "label": "mask"}`` and ``train_augment`` =
   ``RandomCropByLabel``, ``RandomFlip(dims=(-3, -2, -1))``, ``ScaleIntensityRange``,
   ``RandomScaleIntensity``, batched on the device; the training loader timed, with its
-  augmentation (run ahead of the consumer in a background thread, as in training).
+  augmentation (as in training with the default ``augment_ahead="auto"``: ahead of the
+  consumer in a background thread on CUDA, between batches in the consumer's thread on a CPU).
 
 Both MONAI recipes use ``copy_cache=False`` and ``set_track_meta(False)``, as MONAI's
 fast-training tutorial does. The JSON records each side's output shapes and dtypes and
@@ -294,7 +295,7 @@ def bench_fastdata(images: np.ndarray, labels: np.ndarray, work: Path, args: arg
         quiet.setLevel(level)
 
     def finish(batch: Any) -> dict[str, Any]:
-        # Batches come augmented from the loader's background thread (augment_ahead);
+        # Batches come augmented from the loader's background thread (augment_ahead, on CUDA);
         # otherwise the datamodule's hook does it, as in training.
         batch = batch.to(device, non_blocking=True)
         return batch.structure() if batch.prepared else dm.augment_batch(batch)
