@@ -43,11 +43,12 @@ from lightning_fastdata.augment_base import (
     BatchTransform,
     bcast,
     host_shortcuts,
+    keep_format,
     probability,
     replace_rows,
 )
 from lightning_fastdata.augment_color import ColorJitter, Normalize, RandomErasing, ToDtype
-from lightning_fastdata.augment_crop import RandomCrop, RandomCropByLabel
+from lightning_fastdata.augment_crop import RandomCrop, RandomCropByLabel, mirror_last_
 from lightning_fastdata.augment_flip import RandomFlip, RandomHorizontalFlip, RandomRot90, RandomVerticalFlip
 from lightning_fastdata.augment_intensity import (
     GaussianNoise,
@@ -108,6 +109,8 @@ class Compose(BatchTransform):
     - consecutive ``ScaleIntensityRange``, ``RandomScaleIntensity`` and
       ``RandomShiftIntensity`` run as one chain of elementwise steps (the same float
       operations in the same order, over cache-sized chunks on the CPU);
+    - a ``RandomResizedCrop`` followed by ``RandomHorizontalFlip`` (or ``RandomFlip`` of the
+      last axis) mirrors the new crops in place (no copy of the batch for the flip);
     - ``Resize(int)`` followed by ``CenterCrop`` on a list of images, on an accelerator,
       resamples straight to the crop (within float rounding of the two ops in sequence).
 
@@ -130,6 +133,18 @@ class Compose(BatchTransform):
                 crop = op.make_params(batch.replace(keys=keys.child(i)))
                 flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))  # type: ignore[union-attr]
                 batch = op.apply_batch(batch, **crop, flip=flip["flip"], flip_dims=nxt.dims)  # type: ignore[union-attr]
+                i += 2
+                continue
+            if type(op) is RandomResizedCrop and _fusable_flip(nxt) and nxt.dims == (-1,):  # type: ignore[union-attr]
+                batch = _run(op, batch, keys.child(i))
+                flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))["flip"][:, 0]  # type: ignore[union-attr]
+
+                def mirror(x: torch.Tensor, flip: torch.Tensor = flip) -> torch.Tensor:
+                    # The resized crops are new tensors, owned here: mirrored in place on the CPU,
+                    # without the copy of the whole batch a flip on its own makes first.
+                    return keep_format(mirror_last_(x, flip), x)
+
+                batch = batch.map(image=mirror, mask=mirror)
                 i += 2
                 continue
             if type(op) is Resize and len(op.size) == 1 and type(nxt) is CenterCrop:

@@ -289,3 +289,24 @@ def test_resampling_keeps_the_range_of_wide_integer_images(dtype):
             "height": torch.full((2,), 24), "width": torch.full((2,), 24)}
     same = A.RandomResizedCrop(24).apply(x, **full)
     assert torch.equal(same.to(torch.int32), x.to(torch.int32))
+
+
+@pytest.mark.parametrize("as_list", [True, False])
+@pytest.mark.usefixtures("both_paths")
+def test_resized_crop_then_flip_in_compose_equals_the_ops_one_by_one(as_list):
+    """Compose mirrors the new crops in place: the same pixels as the two ops in sequence, for
+    image and mask fields, and the caller's tensors untouched."""
+    if as_list:
+        xs, ms = ragged(), ragged_masks()
+    else:
+        xs, ms = images(5), (images(5)[:, 0] > 128).to(torch.int64)
+    before = ([x.clone() for x in xs], [m.clone() for m in ms])
+    batch = A.Batch({"image": xs, "mask": ms}, {"image": "image", "mask": "mask"}, keys(len(xs), seed=4))
+    ops = [A.RandomResizedCrop((16, 12)), A.RandomHorizontalFlip()]
+    out = A.Compose(ops)(batch)
+    seq = ops[1](ops[0](batch, batch.keys.child(0)), batch.keys.child(1))
+    flipped = A.RandomHorizontalFlip().draw(seq, batch.keys.child(1))["flip"]
+    assert 0 < int(flipped.sum()) < len(xs)  # some samples mirrored, some not
+    for name in ("image", "mask"):
+        assert torch.equal(out.fields[name], seq.fields[name]), name
+    assert all(torch.equal(a, b) for a, b in zip([*xs, *ms], [*before[0], *before[1]], strict=True))
