@@ -261,7 +261,10 @@ def volumes(results: Path) -> str:
     lines += ["", f"{d['volumes']} volumes 1x{d['side']}^3 int16 + uint8 masks, {d['crop']}^3 crops, batch "
               f"{d['batch_size']}: {d['work']}; {same}. Median of {d['repeats']} repeat(s) of {d['batches']} "
               f"batches on {m['device']}{gpu} ({m['affinity']} CPUs, {m['torch_threads']} torch thread(s), torch "
-              f"{m['torch']}, MONAI {m.get('monai', '?')}).", "", _source("volumes.json", quick=bool(d.get("quick")))]
+              f"{m['torch']}, MONAI {m.get('monai', '?')})."]
+    if d.get("host_memory"):
+        lines[-1] += f" Host memory: {d['host_memory']}."
+    lines += ["", _source("volumes.json", quick=bool(d.get("quick")))]
     return "\n".join(lines)
 
 

@@ -30,13 +30,17 @@ their masks, delivered on ``--device``. Loader-only: no model; median samples/s 
 
 Both MONAI recipes use ``copy_cache=False`` and ``set_track_meta(False)``, as MONAI's
 fast-training tutorial does. The JSON records each side's output shapes and dtypes and
-whether they agree. Install MONAI with ``pip install lightning-fastdata[bench]``.
+whether they agree. Every side runs in one process with glibc's malloc keeping freed
+memory (``host_memory.keep_freed_memory``, which ``OptimizedDataModule`` applies on a CPU run
+where it builds the batches), set before the first side runs; ``--default-malloc`` runs every
+side with glibc's defaults instead. Install MONAI with ``pip install lightning-fastdata[bench]``.
 
 Usage::
 
     python benchmarks/volumes.py                    # 16 volumes 128^3, 96^3 crops, on the CPU
     python benchmarks/volumes.py --device cuda      # the same on a GPU
     python benchmarks/volumes.py --quick            # seconds-long smoke test (64^3 volumes, 48^3 crops)
+    python benchmarks/volumes.py --default-malloc   # every side with glibc's default malloc
 
 Writes ``benchmarks/results/volumes.json`` and prints a markdown table.
 """
@@ -64,6 +68,8 @@ from torch.utils.data import Dataset
 from lightning_fastdata import OptimizedDataModule
 from lightning_fastdata import augment as A
 from lightning_fastdata._util import atomic_write_text, cpu_count
+from lightning_fastdata.host_memory import describe as host_memory_state
+from lightning_fastdata.host_memory import keep_freed_memory
 
 RESULTS = Path(__file__).parent / "results" / "volumes.json"
 HU_MIN, HU_MAX = -1000, 1000
@@ -281,6 +287,7 @@ def bench_fastdata(images: np.ndarray, labels: np.ndarray, work: Path, args: arg
                    device: torch.device) -> list[dict]:
     """lightning_fastdata's device strategy: the training loader with its batched augmentation."""
     dm = BenchVolumes(images, labels, batch_size=args.batch_size, strategy="device", device=str(device),
+                      keep_freed_memory=not args.default_malloc,
                       cache_dir=str(work / "fastdata"), field_kinds={"image": "image", "label": "mask"},
                       train_augment=fastdata_augment(args.crop), drop_last=True, progress=False)
     quiet = logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -372,6 +379,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="num_workers tried for MONAI's DataLoader (default 0, 1, 2, 4, ... up to the cores)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="4 volumes of 64^3, 48^3 crops, few batches: a smoke test")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc at its defaults on every side (by default every side runs with "
+                        "freed memory kept, as OptimizedDataModule sets it on a CPU run: host_memory.py)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if args.quick:
@@ -389,6 +399,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("MONAI is not installed: pip install 'lightning-fastdata[bench]' (or pip install monai)")
     set_track_meta(False)
     device = torch.device(args.device)
+    # Process-wide, so set before any side runs: MONAI's recipes get the same malloc as ours.
+    kept = False if args.default_malloc else keep_freed_memory()
     torch.manual_seed(0)
     images, labels = make_volumes(args.volumes, args.side)
     print(f"volumes: {args.volumes} x 1x{args.side}^3 int16 + uint8 masks, {args.crop}^3 crops, batch "
@@ -412,6 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": args.quick, "machine": machine(device), "volumes": args.volumes, "side": args.side,
         "crop": args.crop, "batch_size": args.batch_size, "batches": args.batches, "warmup": args.warmup,
         "repeats": args.repeats,
+        "host_memory": host_memory_state() + (" on every side" if kept else ""),
         "work": (f"RandCropByPosNegLabeld-equivalent {args.crop}^3 crops (pos=1, neg=1), a flip per spatial axis "
                  f"(p=0.5 each), HU [{HU_MIN}, {HU_MAX}] -> [0, 1] clipped, intensity x U(1 - {SCALE}, 1 + {SCALE})"),
         "outputs": outputs, "same_output_shapes": len(shapes) == 1, "same_output_dtypes": len(dtypes) == 1,

@@ -26,6 +26,8 @@ from lightning_fastdata.augment import Batch, BatchTransform
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
 from lightning_fastdata.graphs import GraphedAugment
+from lightning_fastdata.host_memory import describe as host_memory_state
+from lightning_fastdata.host_memory import keep_freed_memory
 from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import (
     BlockOrder,
@@ -60,7 +62,7 @@ _NOT_CACHED = frozenset({
     "device", "progress", "cache_dir", "cache_key", "augment_field", "store", "field_kinds", "augment_ahead",
     # what changes the stored layout enters the fingerprint through build_store (only what matters)
     "ragged", "encode", "jpeg_quality", "max_side",
-    "cuda_graphs",
+    "cuda_graphs", "keep_freed_memory",
 })
 
 
@@ -134,6 +136,11 @@ class OptimizedDataModule(L.LightningDataModule):
             graph once and replay it (one launch instead of dozens; the same output, bit for
             bit); batches of other shapes, ragged fields and ops from outside this package
             run eagerly. No effect elsewhere.
+        keep_freed_memory: Tell glibc's malloc to keep freed memory in the process for reuse
+            (process-wide, from ``setup`` on; see :mod:`~lightning_fastdata.host_memory`), so
+            that each batch's buffers are not page-faulted in afresh: "auto" where this
+            process builds every batch on the CPU (training on the CPU with no DataLoader
+            workers), True always, False never. The plan says which.
         store: Cache static outputs in a store (False: per-sample loading in workers).
         device: Device to place stores on (default: the Trainer's root device).
         progress: Show progress bars while caching.
@@ -165,6 +172,7 @@ class OptimizedDataModule(L.LightningDataModule):
         jpeg_quality: int = 90,
         max_side: int | None = None,
         cuda_graphs: bool = True,
+        keep_freed_memory: bool | Literal["auto"] = "auto",
         store: bool = True,
         device: str | None = None,
         progress: bool = True,
@@ -203,6 +211,7 @@ class OptimizedDataModule(L.LightningDataModule):
             raise ValueError(f"augment_ahead must be 'auto' or an int in [0, 4], got {augment_ahead!r}")
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+        _check_auto_bool("keep_freed_memory", keep_freed_memory)
         if augment_field is not None and field_kinds is not None:
             raise ValueError("give field_kinds or augment_field, not both "
                              "(augment_field=X is field_kinds={X: 'image'})")
@@ -237,6 +246,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.jpeg_quality = jpeg_quality
         self.max_side = max_side
         self.cuda_graphs = cuda_graphs
+        self.keep_freed_memory = keep_freed_memory
         self._graphed: dict[int, GraphedAugment] = {}
         self.use_store = store
         self.device = device
@@ -431,10 +441,28 @@ class OptimizedDataModule(L.LightningDataModule):
         self.placement, self.plan = placement, placement.plan
         if self.plan.num_workers_candidates:
             self._measure_workers(config, device)
+        self._host_memory(device)
         if self.trainer is not None:
             # The model's own batch hooks are run by this module's hooks (see on_after_batch_transfer).
             quiet_shared_hook_warnings()
         rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
+
+    def _host_memory(self, device: torch.device) -> None:
+        """Apply ``keep_freed_memory`` and record it in the plan's reasons."""
+        assert self.plan is not None
+        builds_here = device.type == "cpu" and self.plan.num_workers == 0
+        if self.keep_freed_memory is True or (self.keep_freed_memory == _AUTO and builds_here):
+            why = ("set by configuration" if self.keep_freed_memory is True else
+                   "this process builds every batch on the CPU (no workers): their buffers are reused, not "
+                   "page-faulted in afresh each step")
+            if not keep_freed_memory():
+                why = "not glibc: nothing to change"
+        elif self.keep_freed_memory is False:
+            why = "left alone by configuration"
+        else:
+            why = ("batches are built on an accelerator or in DataLoader workers: nothing to gain in this "
+                   "process")
+        self.plan.reasons["host_memory"] = f"{host_memory_state()}: {why}"
 
     def _measure_workers(self, config: dict[str, Any], device: torch.device) -> None:
         """``num_workers="measure"``: time the candidates on the first split's loader (see autotune)."""

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_fastdata"
 TOP = {"datamodule", "callbacks", "cli", "demo"}
 #: Modules that must not import Lightning at all (they are usable and testable without it).
 NO_LIGHTNING = {"store", "fill", "structure", "fingerprint", "augment", "keys", "_util", "placement", "loaders",
-                "shared", "plan", "distributed", "ragged", "encode", "decode", "graphs"}
+                "shared", "plan", "distributed", "ragged", "encode", "decode", "graphs", "host_memory"}
 #: The data path's layers, top to bottom: a module may import only layers below its own.
 LAYERS = ["datamodule", "loaders", "placement", "shared", "store", "fill", "structure"]
 
