@@ -22,7 +22,10 @@ reports:
     reading the same files (``fn.decoders.image_random_crop`` on the GPU, resize, flip).
 
 - a profile of the ``device`` strategy at ``max_side=256``: the share of time spent
-  gathering, decoding and augmenting.
+  gathering, decoding and augmenting;
+- on the CPU, the ceiling of the kernels: the same batches decoded and their crop boxes
+  resized by the pool's threads with nothing else (no flip, no loader, boxes drawn
+  beforehand), what any in-process pipeline on these two kernels could reach.
 
 Each throughput is measured over whole epochs after a warm-up batch (``--epochs``), and
 the JSON goes to ``benchmarks/results/jpeg.json`` (``--out``). On a shared machine
@@ -189,6 +192,10 @@ def run_fastdata(root: Path, work: Path, args: argparse.Namespace, device: torch
             print(f"  {name}: {rate:.0f} images/s (setup {built:.1f} s)", flush=True)
             if strategy == "device" and max_side == 256:
                 out["profile_device_256"] = profile(dm, device, sync)
+                if device.type == "cpu":
+                    out["kernels_256"] = kernels_ceiling(dm, args.epochs)
+                    print(f"  decode + resize kernels alone: {out['kernels_256']['images_per_s']:.0f} images/s",
+                          flush=True)
             if strategy == "device":
                 # The training split's cache folder: its .npy files and manifest, as on disk.
                 store = dm.stores["train"]
@@ -225,6 +232,59 @@ def profile(dm: Photos, device: torch.device, sync: Callable[[], None]) -> dict[
     total = gather + decode + aug
     return {"gather": round(gather / total, 3), "decode": round(decode / total, 3), "augment": round(aug / total, 3),
             "seconds": round(total, 3)}
+
+
+def kernels_ceiling(dm: Photos, epochs: int) -> dict[str, Any]:
+    """The decode and resize kernels alone, on the CPU, over the device strategy's batches.
+
+    Each of ``torch.get_num_threads()`` threads decodes its share of a batch
+    (``torchvision.io.decode_jpeg``) and resizes each image's crop box to 224^2 straight into
+    the output batch (``F.interpolate``, antialiased bilinear, as ``RandomResizedCrop`` does
+    on the CPU), at the boxes the pipeline draws (drawn beforehand, untimed). No flip, no
+    parameter drawing, no loader: an upper bound for any in-process pipeline built on these
+    two kernels on this machine.
+    """
+    import torch.nn.functional as F
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from lightning_fastdata._pool import map_runs
+    from lightning_fastdata.keys import SampleKeys
+
+    loader = dm.train_dataloader()
+    loader.prepare, loader.ahead = None, 0
+    crop = A.RandomResizedCrop(OUT_SIZE)
+    work = []
+    for batch in loader:  # untimed: the bytes and the boxes of every batch
+        data = dict(zip(batch.names, batch.leaves, strict=True))["image"].tensors()
+        images = decode_jpegs(data, "cpu")
+        p = crop.draw(images, SampleKeys(0, batch.epoch, batch.indices))
+        boxes = torch.stack([p["top"], p["left"], p["height"], p["width"]], 1).tolist()
+        work.append(([d.contiguous() for d in data], boxes))
+    threads = torch.get_num_threads()
+
+    def one(data: list[torch.Tensor], boxes: list[list[int]]) -> torch.Tensor:
+        out = torch.empty(len(data), 3, OUT_SIZE, OUT_SIZE, dtype=torch.uint8)
+
+        def run(rows: range) -> list[None]:
+            for i in rows:
+                t, left, h, w = boxes[i]
+                img = decode_jpeg(data[i], mode=ImageReadMode.RGB)
+                out[i] = F.interpolate(img[None, :, t:t + h, left:left + w], size=(OUT_SIZE, OUT_SIZE),
+                                       mode="bilinear", align_corners=False, antialias=True)[0]
+            return []
+
+        map_runs(run, [d.numel() for d in data], threads)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        one(*work[0])  # warm-up: the pool's threads start
+        n, t0 = 0, time.perf_counter()
+        for _ in range(epochs):
+            for data, boxes in work:
+                n += len(one(data, boxes))
+        rate = n / (time.perf_counter() - t0)
+    return {"images_per_s": round(rate, 1), "threads": threads}
 
 
 # --------------------------------------------------------------------------- DALI (GPU peer, optional)
@@ -290,9 +350,13 @@ def table(results: dict[str, Any]) -> str:
                  f"{p['images_per_s']:.0f} | 1.00 |")
     r = ratios(results)
     for name, v in results["fastdata"].items():
-        if isinstance(v, dict) and "images_per_s" in v:
+        if isinstance(v, dict) and "images_per_s" in v and "/" in name:
             strategy, side = name.split("/")
             lines.append(f"| fastdata {strategy}, max_side={side} | {v['images_per_s']:.0f} | {r[name]:.2f} |")
+    kern = results["fastdata"].get("kernels_256")
+    if kern:
+        lines.append(f"| ceiling: the decode + resize kernels alone, max_side=256, {kern['threads']} thread(s) "
+                     f"(no flip, no framework) | {kern['images_per_s']:.0f} | {r['kernels_256']:.2f} |")
     if results.get("dali"):
         d = results["dali"]["images_per_s"]
         lines.append(f"| DALI (GPU decode + crop) | {d:.0f} | {d / p['images_per_s']:.2f} |")

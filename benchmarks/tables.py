@@ -489,10 +489,15 @@ def jpeg(results: Path) -> str:
     rows = [[f"plain `DataLoader`: PIL decode + torchvision per sample (best of num_workers "
              f"{', '.join(plain['per_workers'])}: {plain['best_workers']})", _rate(plain["images_per_s"]), "1.00x"]]
     for name, v in d["fastdata"].items():
-        if isinstance(v, dict) and "images_per_s" in v:
+        if isinstance(v, dict) and "images_per_s" in v and "/" in name:
             strategy, side = name.split("/")
             rows.append([f"`{strategy}` strategy, `max_side={side}`", _rate(v["images_per_s"]),
                          _ratio(v["images_per_s"] / plain["images_per_s"])])
+    kern = d["fastdata"].get("kernels_256")
+    if kern:
+        rows.append([f"ceiling: the decode + resize kernels alone, `max_side=256`, {kern['threads']} thread(s) (no "
+                     "flip, no loader, boxes drawn beforehand)", _rate(kern["images_per_s"]),
+                     _ratio(kern["images_per_s"] / plain["images_per_s"])])
     if d.get("dali"):
         rows.append(["DALI (GPU decode + crop)", _rate(d["dali"]["images_per_s"]),
                      _ratio(d["dali"]["images_per_s"] / plain["images_per_s"])])

@@ -212,11 +212,14 @@ def test_jpeg_benchmark_quick_writes_json(tmp_path):
     assert res["fastdata"]["store_bytes/256"] < res["fastdata"]["store_bytes/none"]
     assert abs(sum(v for k, v in res["fastdata"]["profile_device_256"].items() if k != "seconds") - 1) < 0.01
     assert "| fastdata device, max_side=256 |" in proc.stdout
+    assert res["fastdata"]["kernels_256"]["images_per_s"] > 0 and res["fastdata"]["kernels_256"]["threads"] == 1
+    assert "| ceiling: the decode + resize kernels alone, max_side=256, 1 thread(s)" in proc.stdout
     tables = _module("tables")
     (tmp_path / "res").mkdir()
     (tmp_path / "res" / "jpeg.json").write_text(out.read_text())
     text = tables.jpeg(tmp_path / "res")
     assert "`device` strategy, `max_side=256`" in text and "quick smoke-test run" in text
+    assert "ceiling: the decode + resize kernels alone" in text
 
 
 @pytest.mark.slow
