@@ -27,7 +27,7 @@ from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
 from lightning_fastdata.graphs import GraphedAugment
 from lightning_fastdata.host_memory import describe as host_memory_state
-from lightning_fastdata.host_memory import keep_freed_memory
+from lightning_fastdata.host_memory import freed_memory_kept, keep_freed_memory
 from lightning_fastdata.keys import SampleKeys
 from lightning_fastdata.loaders import (
     BlockOrder,
@@ -406,7 +406,12 @@ class OptimizedDataModule(L.LightningDataModule):
         config = self.plan_config()
         if strategy is not None:
             config["strategy"] = strategy
-        return decide(None if self._raw else sum(s.nbytes for s in self.stores.values()), resources, config)
+        plan = decide(None if self._raw else sum(s.nbytes for s in self.stores.values()), resources, config)
+        keep, why = self._host_memory_choice(device, plan)
+        # What setup will do (setup applies it and records the state then in force).
+        plan.reasons["host_memory"] = (f"{'kept for reuse' if keep else 'left alone'} from setup on: {why}"
+                                       if not freed_memory_kept() else f"{host_memory_state()}: {why}")
+        return plan
 
     def plan_config(self) -> dict[str, Any]:
         """The settings :func:`~lightning_fastdata.plan.decide` reads, with the largest batch's bytes."""
@@ -448,21 +453,23 @@ class OptimizedDataModule(L.LightningDataModule):
         rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
 
     def _host_memory(self, device: torch.device) -> None:
-        """Apply ``keep_freed_memory`` and record it in the plan's reasons."""
+        """Apply ``keep_freed_memory`` and record what is in force in the plan's reasons."""
         assert self.plan is not None
-        builds_here = device.type == "cpu" and self.plan.num_workers == 0
-        if self.keep_freed_memory is True or (self.keep_freed_memory == _AUTO and builds_here):
-            why = ("set by configuration" if self.keep_freed_memory is True else
-                   "this process builds every batch on the CPU (no workers): their buffers are reused, not "
-                   "page-faulted in afresh each step")
-            if not keep_freed_memory():
-                why = "not glibc: nothing to change"
-        elif self.keep_freed_memory is False:
-            why = "left alone by configuration"
-        else:
-            why = ("batches are built on an accelerator or in DataLoader workers: nothing to gain in this "
-                   "process")
+        keep, why = self._host_memory_choice(device, self.plan)
+        if keep and not keep_freed_memory():
+            why = "not glibc: nothing to change"
         self.plan.reasons["host_memory"] = f"{host_memory_state()}: {why}"
+
+    def _host_memory_choice(self, device: torch.device, plan: Plan) -> tuple[bool, str]:
+        """Whether ``setup`` keeps freed memory under ``plan``, and why."""
+        if self.keep_freed_memory is True:
+            return True, "set by configuration"
+        if self.keep_freed_memory is False:
+            return False, "left alone by configuration"
+        if device.type == "cpu" and plan.num_workers == 0:
+            return True, ("this process builds every batch on the CPU (no workers): their buffers are reused, not "
+                          "page-faulted in afresh each step")
+        return False, "batches are built on an accelerator or in DataLoader workers: nothing to gain in this process"
 
     def _measure_workers(self, config: dict[str, Any], device: torch.device) -> None:
         """``num_workers="measure"``: time the candidates on the first split's loader (see autotune)."""

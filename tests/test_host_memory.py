@@ -98,12 +98,19 @@ def test_the_plan_keeps_freed_memory_only_where_this_process_builds_the_batches(
             dm.teardown("fit")
             return [why, freed_memory_kept()]
 
-        out = {{"off": plan(strategy="device", keep_freed_memory=False),
+        # make_plan (as `fastdata plan` shows it) says what setup will do, and does nothing.
+        ahead = TinyDataModule(n=16, cache_dir={str(tmp_path / "cache")!r}, device="cpu", strategy="device")
+        ahead.prepare_data()
+        ahead.open_splits(["train"])
+        said = [ahead.make_plan().reasons["host_memory"], freed_memory_kept()]
+        out = {{"said": said,
+                "off": plan(strategy="device", keep_freed_memory=False),
                 "workers": plan(strategy="workers", num_workers=1),
                 "auto": plan(strategy="device"),
                 "after": plan(strategy="device", keep_freed_memory=False)}}
         print(json.dumps(out))
     """, tmp_path)
+    assert out["said"][1] is False and out["said"][0].startswith("kept for reuse from setup on: this process builds")
     assert out["off"][1] is False and "left alone by configuration" in out["off"][0]
     assert out["workers"][1] is False and "DataLoader workers" in out["workers"][0]
     assert out["auto"][1] is True
