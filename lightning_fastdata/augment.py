@@ -43,12 +43,11 @@ from lightning_fastdata.augment_base import (
     BatchTransform,
     bcast,
     host_shortcuts,
-    keep_format,
     probability,
     replace_rows,
 )
 from lightning_fastdata.augment_color import ColorJitter, Normalize, RandomErasing, ToDtype
-from lightning_fastdata.augment_crop import RandomCrop, RandomCropByLabel, mirror_last_
+from lightning_fastdata.augment_crop import RandomCrop, RandomCropByLabel
 from lightning_fastdata.augment_flip import RandomFlip, RandomHorizontalFlip, RandomRot90, RandomVerticalFlip
 from lightning_fastdata.augment_intensity import (
     GaussianNoise,
@@ -136,15 +135,12 @@ class Compose(BatchTransform):
                 i += 2
                 continue
             if type(op) is RandomResizedCrop and _fusable_flip(nxt) and nxt.dims == (-1,):  # type: ignore[union-attr]
-                batch = _run(op, batch, keys.child(i))
+                # The flip's coins depend on the keys only: drawn first, the resized crops are
+                # written mirrored (by the CPU pool's threads) or mirrored in place, never copied
+                # again for the flip.
+                box = op.make_params(batch.replace(keys=keys.child(i)))
                 flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))["flip"][:, 0]  # type: ignore[union-attr]
-
-                def mirror(x: torch.Tensor, flip: torch.Tensor = flip) -> torch.Tensor:
-                    # The resized crops are new tensors, owned here: mirrored in place on the CPU,
-                    # without the copy of the whole batch a flip on its own makes first.
-                    return keep_format(mirror_last_(x, flip), x)
-
-                batch = batch.map(image=mirror, mask=mirror)
+                batch = op.apply_batch(batch.replace(keys=keys.child(i)), **box, flip=flip)
                 i += 2
                 continue
             if type(op) is Resize and len(op.size) == 1 and type(nxt) is CenterCrop:
