@@ -132,6 +132,8 @@ def _demo(results: Path, name: str) -> str:
             f"on {where}{cores}")
     lines = ["```", head, "", format_table(d), "```", ""]
     note = _source(name, quick=bool(d.get("quick")))
+    if d.get("host_memory"):
+        note = f"Every run with host memory: {d['host_memory']}. " + note
     if d.get("fastdata_cached") is None:
         note += (" That run is from the earlier demo: the plain run at a fixed 4 workers; whole fit = its "
                  "setup + fit; prepare_data = fastdata's setup (whether it built or found the cache was not "

@@ -49,6 +49,8 @@ from lightning_fastdata import augment as A
 from lightning_fastdata._util import atomic_write_text, cpu_count, pid_alive
 from lightning_fastdata.callbacks import FastDataCallback
 from lightning_fastdata.datamodule import OptimizedDataModule
+from lightning_fastdata.host_memory import describe as host_memory_state
+from lightning_fastdata.host_memory import keep_freed_memory
 from lightning_fastdata.profiler import DataWaitProfiler
 
 CLASSES = (
@@ -796,6 +798,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     _warm_up(device, args.batch_size)
+    if device == "cpu":
+        # OptimizedDataModule keeps freed host memory on a CPU run (host_memory.py), for the
+        # whole process: set before the plain run too, so every run has the same malloc.
+        keep_freed_memory()
     rates: dict[int, float] | None = None
     measure_s: float | None = None
     if args.num_workers is None:
@@ -846,6 +852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.machine(),
         "cores": cores,
         "torch_threads": torch.get_num_threads(),
+        "host_memory": host_memory_state(),
         "torch": torch.__version__,
         "lightning": L.__version__,
         "command": " ".join(["python -m lightning_fastdata.demo", *(sys.argv[1:] if argv is None else argv)]),
@@ -856,7 +863,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(NOTES)
     if device == "cpu":
-        print(f"cpu run: the model's compute shares {cores} cores with the plain run's workers.")
+        print(f"cpu run: the model's compute shares {cores} cores with the plain run's workers; every run "
+              f"with host memory: {result['host_memory']}.")
     if args.json_out:
         atomic_write_text(args.json_out, json.dumps(result, indent=1) + "\n")
     return 0

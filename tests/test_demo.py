@@ -15,6 +15,7 @@ import pytest
 from _helpers import run_demo
 from PIL import Image
 
+from lightning_fastdata import host_memory
 from lightning_fastdata._util import cpu_count
 from lightning_fastdata.demo import (
     CLASSES,
@@ -187,6 +188,10 @@ def test_quick_demo_end_to_end(tmp_path):
     assert result["speedups"]["whole_fit_first_run"] == pytest.approx(plain["whole_fit_s"] / fast["whole_fit_s"])
     assert result["speedups"]["whole_fit_cache_reused"] == pytest.approx(plain["whole_fit_s"] / cached["whole_fit_s"])
     assert result["quick"] is True and result["format"] == 2
+    if result["device"] == "cpu" and host_memory._glibc() is not None:
+        # Set before the plain run: every run has the same malloc (fastdata's setup sets it on a CPU run).
+        assert result["host_memory"].startswith("freed memory kept for reuse"), result["host_memory"]
+        assert f"every run with host memory: {result['host_memory']}" in proc.stdout
     assert list((data / "cache").iterdir()) == []  # the demo's cache folder is removed at exit
     png = next((dataset_dir(data, *SIZES["quick"]) / "val").rglob("*.png"))
     with Image.open(png) as im:
