@@ -27,7 +27,6 @@ This module imports nothing from the package.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
 
 #: glibc's ``mallopt`` parameter numbers (``<malloc.h>``).
@@ -51,7 +50,7 @@ def _glibc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None)
         version = libc.gnu_get_libc_version
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # not glibc; TypeError: Windows has no CDLL(None)
         return None
     version.restype = ctypes.c_char_p
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
