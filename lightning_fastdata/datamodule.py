@@ -119,8 +119,9 @@ class OptimizedDataModule(L.LightningDataModule):
             stream): the next batch is ready when the step ends. 0 does that work in the
             training loop's thread, between steps. ``"auto"``: 1 on CUDA; 0 on a CPU run, where
             the thread competes with the training step for the same cores and the GIL
-            (measured: a null-model epoch took 6.4x a free loader's with 1, 4.9x with 0, on 2
-            cores; ``benchmarks/null_model_epoch.py``).
+            (measured on 2 cores, ``benchmarks/null_model_epoch.py``, four runs: a null-model
+            epoch took 5.4-6.4x a free loader's with 1, 3.4-7.6x with 0; neither was ahead in
+            every run).
         ragged: Fields whose shape may change from sample to sample (e.g. images of
             varying sizes), by name; each is stored end to end with offsets and shapes,
             and reaches the augmentation (and, without a size-fixing op, the model) as a
