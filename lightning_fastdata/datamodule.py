@@ -493,6 +493,13 @@ class OptimizedDataModule(L.LightningDataModule):
         for graphed in self._graphed.values():
             graphed.clear()  # captured graphs hold device memory
 
+    def on_exception(self, exception: BaseException) -> None:
+        """The Trainer stopped on an exception (it skips ``teardown`` then): stop the loaders'
+        background threads and worker processes now. They start again if iterated again."""
+        for loader in self._loaders.values():
+            if hasattr(loader, "close"):
+                loader.close()
+
     # ------------------------------------------------------------------ loaders
 
     def build_loader(self, split: str, plan: Plan | None = None) -> Any:
@@ -549,7 +556,20 @@ class OptimizedDataModule(L.LightningDataModule):
         loader = self.build_loader(split)
         if loader != []:
             self._loaders[split] = loader
+            if split == "train" and hasattr(loader, "steps_done"):
+                loader.steps_done = self._train_steps_done
         return loader
+
+    def _train_steps_done(self) -> tuple[int, int] | None:
+        """(epoch, training batches whose step ran in it) from the Trainer's progress, during a fit."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return None
+        try:
+            processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        except AttributeError:  # a Lightning without this progress tracker: count transfers only
+            return None
+        return int(trainer.current_epoch), int(processed)
 
     def train_dataloader(self) -> Any:
         """The training loader for the planned strategy."""
@@ -790,7 +810,10 @@ def _unragged(batch: FastBatch) -> list[Any]:
     for leaf in batch.leaves:
         if isinstance(leaf, RaggedBatch):
             tensors = leaf.tensors()
-            out.append(decode_jpegs(tensors, batch.indices.device) if leaf.encoding == "jpeg" else tensors)
+            if leaf.encoding == "jpeg":
+                channels = leaf.decoded_shapes[:, 0].tolist() if leaf.decoded_shapes is not None else None
+                tensors = decode_jpegs(tensors, batch.indices.device, indices=batch.indices, channels=channels)
+            out.append(tensors)
         else:
             out.append(leaf)
     return out

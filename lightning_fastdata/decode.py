@@ -32,8 +32,8 @@ def _torchvision_decoder() -> Callable[..., object] | None:
     except ImportError:
         return None
 
-    def run(data: torch.Tensor | list[torch.Tensor], device: torch.device) -> object:
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    def run(data: torch.Tensor | list[torch.Tensor], device: torch.device, gray: bool = False) -> object:
+        return decode_jpeg(data, mode=ImageReadMode.GRAY if gray else ImageReadMode.RGB, device=device)
 
     return run
 
@@ -44,8 +44,8 @@ def _torchcodec_decoder() -> Callable[..., object] | None:
     except ImportError:
         return None
 
-    def run(data: torch.Tensor | list[torch.Tensor], device: torch.device) -> object:
-        return decode_jpeg(data, mode="RGB", device=device)
+    def run(data: torch.Tensor | list[torch.Tensor], device: torch.device, gray: bool = False) -> object:
+        return decode_jpeg(data, mode="GRAY" if gray else "RGB", device=device)
 
     return run
 
@@ -89,7 +89,7 @@ def _check(data: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _bad(i: int, t: torch.Tensor, err: Exception, indices: Sequence[int] | None) -> ValueError:
+def _bad(i: int, t: torch.Tensor, err: Exception, indices: Sequence[int] | torch.Tensor | None) -> ValueError:
     name = f"sample {i} of the batch" + (f" (dataset index {int(indices[i])})" if indices is not None else "")
     head = bytes(t[:4].tolist()).hex()
     # torchvision prefixes its C++ source location: keep the decoder's own words.
@@ -99,12 +99,17 @@ def _bad(i: int, t: torch.Tensor, err: Exception, indices: Sequence[int] | None)
 
 
 def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device | str = "cpu", threads: int | None = None,
-                 indices: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """Decode JPEG files' bytes into uint8 ``(3, H, W)`` RGB images on ``device``.
+                 indices: Sequence[int] | torch.Tensor | None = None,
+                 channels: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Decode JPEG files' bytes into uint8 ``(C, H, W)`` images on ``device``.
 
-    On a CUDA device the whole list is one batched nvJPEG call. On the CPU the list is
-    split into ``threads`` runs of samples decoded in parallel (the decoder releases the
-    GIL). Grayscale and CMYK JPEGs come out as RGB, so every image has 3 channels.
+    Every image comes out RGB (3 channels, grayscale and CMYK JPEGs included), except the
+    samples ``channels`` marks 1: those come out grayscale ``(1, H, W)``. A store records 1
+    for the 1-channel images it encoded itself, so they come back as they went in.
+
+    On a CUDA device the whole list is one batched nvJPEG call (two when grayscale and RGB
+    samples mix). On the CPU the list is split into ``threads`` runs of samples decoded in
+    parallel (the decoder releases the GIL).
 
     Args:
         data: One 1-D uint8 tensor per sample (the file's bytes), on any device.
@@ -112,7 +117,10 @@ def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device | str = "cpu
         threads: CPU decoding threads; default the calling thread's torch intra-op budget
             (``torch.get_num_threads()``: the cores, 1 in a DataLoader worker). 1 decodes
             in the calling thread.
-        indices: The samples' dataset indices, named in errors (default: their positions).
+        indices: The samples' dataset indices, named in errors (default: their positions);
+            read only to report an error, so a device tensor costs no synchronisation.
+        channels: Per sample, the channels wanted: 1 for grayscale, anything else for RGB
+            (default: RGB for all).
 
     Returns:
         The images, in the order of ``data``.
@@ -126,42 +134,50 @@ def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device | str = "cpu
         return []
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"decode_jpegs threads must be an int >= 1 or None, got {threads!r}")
+    if channels is not None and len(channels) != len(items):
+        raise ValueError(f"decode_jpegs: channels has {len(channels)} entries for {len(items)} samples")
+    gray = [int(c) == 1 for c in channels] if channels is not None else [False] * len(items)
     decode = _decoder()[1]
     with warnings.catch_warnings():
         # Entered once in the calling thread, around the pool's work too: the filter is in
         # place while the threads decode, and nowhere else.
         warnings.filterwarnings("ignore", message=TORCHVISION_DEPRECATION, category=DeprecationWarning)
         if device.type == "cuda":
-            return _decode_cuda(decode, items, device, indices)
-        out = _decode_cpu(decode, items, threads, indices)
+            return _decode_cuda(decode, items, device, indices, gray)
+        out = _decode_cpu(decode, items, threads, indices, gray)
     return out if device.type == "cpu" else [img.to(device, non_blocking=True) for img in out]
 
 
 def _decode_one(decode: Callable[..., object], items: list[torch.Tensor], i: int,
-                indices: Sequence[int] | None) -> torch.Tensor:
+                indices: Sequence[int] | torch.Tensor | None, gray: list[bool]) -> torch.Tensor:
     try:
-        return decode(items[i], torch.device("cpu"))  # type: ignore[return-value]
+        return decode(items[i], torch.device("cpu"), gray[i])  # type: ignore[return-value]
     except RuntimeError as err:
         raise _bad(i, items[i], err, indices) from err
 
 
 def _decode_cpu(decode: Callable[..., object], items: list[torch.Tensor], threads: int | None,
-                indices: Sequence[int] | None) -> list[torch.Tensor]:
+                indices: Sequence[int] | torch.Tensor | None, gray: list[bool]) -> list[torch.Tensor]:
     # Contiguous runs of about equal bytes, one per thread: one task each, not one per image.
-    return map_runs(lambda run: [_decode_one(decode, items, i, indices) for i in run], [t.numel() for t in items],
-                    default_threads() if threads is None else threads)
+    return map_runs(lambda run: [_decode_one(decode, items, i, indices, gray) for i in run],
+                    [t.numel() for t in items], default_threads() if threads is None else threads)
 
 
 def _decode_cuda(decode: Callable[..., object], items: list[torch.Tensor], device: torch.device,
-                 indices: Sequence[int] | None) -> list[torch.Tensor]:
+                 indices: Sequence[int] | torch.Tensor | None, gray: list[bool]) -> list[torch.Tensor]:
+    out: list[torch.Tensor | None] = [None] * len(items)
     try:
-        return list(decode(items, device))  # type: ignore[call-overload]
+        for mode in sorted(set(gray)):  # one batched call per mode
+            rows = [i for i, g in enumerate(gray) if g == mode]
+            for i, image in zip(rows, decode([items[i] for i in rows], device, mode), strict=True):  # type: ignore[call-overload]
+                out[i] = image
     except RuntimeError as err:
         # nvJPEG fails the whole batch: find the sample on the CPU decoder, which checks each.
         for i in range(len(items)):
-            _decode_one(decode, items, i, indices)
+            _decode_one(decode, items, i, indices, gray)
         raise RuntimeError(f"decode_jpegs: nvJPEG failed on a batch of {len(items)} JPEGs that the CPU decoder "
                            f"reads: {err}") from err
+    return out  # type: ignore[return-value]
 
 
 __all__ = ["TORCHVISION_DEPRECATION", "backend", "decode_jpegs"]

@@ -7,7 +7,12 @@ that keeps the aspect ratio. A sample that already is JPEG bytes (a uint8 1-D te
 starting with the SOI marker ``FF D8``, as ``torchvision.io.read_file`` gives) is kept
 as it is, unless it is larger than ``max_side``: then it is decoded, resized and
 re-encoded. Each image's decoded ``(C, H, W)`` is read from the JPEG frame header, so
-stored bytes need no decode to be measured.
+stored bytes need no decode to be measured; bytes cut short (no end-of-image marker, and
+no decode) are refused, naming the sample.
+
+Channels: an image tensor the store encodes comes back with its own channels (1 or 3);
+JPEG bytes from the source come back RGB, 3 channels, grayscale and CMYK files included
+(as ``torchvision.datasets.ImageFolder``'s loader gives them), and are recorded so.
 
 torchvision 0.29 deprecates its image codecs in favour of TorchCodec and warns at every
 call (a ``DeprecationWarning``); the calls here silence that one warning
@@ -18,6 +23,7 @@ of them. This module imports nothing from the package.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Iterator
 
@@ -118,13 +124,28 @@ def _resize(image: torch.Tensor, max_side: int | None) -> torch.Tensor:
 
 
 def _decode(data: np.ndarray) -> torch.Tensor:
+    """JPEG bytes as an RGB image: bytes from the source decode to RGB, whatever their channels."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     with quiet_codec_warnings():
-        image = decode_jpeg(torch.from_numpy(np.ascontiguousarray(data)), mode=ImageReadMode.UNCHANGED)
-        if image.shape[0] not in (1, 3):  # CMYK and the like: store as RGB
-            image = decode_jpeg(torch.from_numpy(np.ascontiguousarray(data)), mode=ImageReadMode.RGB)
-    return image
+        return decode_jpeg(torch.from_numpy(np.ascontiguousarray(data)), mode=ImageReadMode.RGB)
+
+
+#: How far from the end of kept JPEG bytes the end-of-image marker may sit (some writers pad).
+_EOI_TAIL = 64
+
+
+def _check_complete(value: np.ndarray, where: str) -> None:
+    """Refuse JPEG bytes cut short: no end-of-image marker near the end, and no full decode."""
+    if b"\xff\xd9" in value[-_EOI_TAIL:].tobytes():
+        return
+    try:  # trailing data after the marker is legal: decode once to tell it from a truncation
+        _decode(value)
+    except RuntimeError as e:
+        # torchvision prefixes its C++ source location: keep the decoder's own words.
+        why = re.sub(r"^.*?\.cpp:\d+, ", "", str(e).splitlines()[0]) if str(e) else type(e).__name__
+        raise ValueError(f"{where} is JPEG bytes ({value.size} bytes) that do not decode ({why}): the file is "
+                         "truncated or corrupt; replace it, or leave it out of the source") from None
 
 
 def encode_jpeg_leaf(value: np.ndarray, quality: int, max_side: int | None,
@@ -146,8 +167,10 @@ def encode_jpeg_leaf(value: np.ndarray, quality: int, max_side: int | None,
         except ValueError as e:
             raise ValueError(f"{where} starts like JPEG bytes but {e}; re-encode the file, or return it "
                              "decoded (uint8 C, H, W) from static_transform") from None
+        _check_complete(value, where)
         if capped_size(h, w, max_side) == (h, w):
-            return np.ascontiguousarray(value), (c, h, w)
+            # Kept as they are; they decode to RGB (grayscale and CMYK files too), as recorded.
+            return np.ascontiguousarray(value), (3, h, w)
         image = _decode(value)
     elif value.dtype == np.uint8 and value.ndim == 3 and value.shape[0] in (1, 3):
         image = torch.from_numpy(np.ascontiguousarray(value))

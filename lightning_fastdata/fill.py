@@ -32,6 +32,7 @@ from lightning_fastdata.structure import (
     check_like,
     flatten,
     ragged_info,
+    read_sample,
 )
 
 _NPY_HEADER = 4096  # upper bound of one .npy header, for the space estimate
@@ -81,7 +82,10 @@ class Layout:
         if self.ragged:
             out["ragged"] = list(self.ragged)
         if self.encode:
-            out.update(encode=dict(self.encode), jpeg_quality=self.jpeg_quality, max_side=self.max_side)
+            # jpeg_channels: what a decode gives (source bytes RGB, encoded images their own
+            # channels); caches built under the earlier rule (always RGB) are rebuilt.
+            out.update(encode=dict(self.encode), jpeg_quality=self.jpeg_quality, max_side=self.max_side,
+                       jpeg_channels="images-kept-bytes-rgb")
         return {"store_layout": out} if out else {}
 
     def apply(self, infos: list[FieldInfo]) -> list[FieldInfo]:
@@ -243,7 +247,7 @@ class _FillChunks(torch.utils.data.Dataset):
                                  | os.O_CLOEXEC, 0o600)
                     parts[k] = os.fdopen(fd, "wb")
             for i in range(a, b):
-                _, leaves = flatten(self.transform(self.dataset[i]), i)
+                _, leaves = flatten(read_sample(self.dataset, self.transform, i), i)
                 check_like(self.infos, leaves, i)
                 for k, (info, (_, value)) in enumerate(zip(self.infos, leaves, strict=True)):
                     arrays = self._arrays[k]

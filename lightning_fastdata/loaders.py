@@ -266,8 +266,14 @@ class _Loader:
         self.order = order
         self._yielded = 0
         self._consumed = 0
+        self._counted_epoch = order.epoch  # the epoch the two counts above belong to
         self._tracking = False
         self._resume: tuple[int, int] | None = None
+        #: Set by the data module: ``(epoch, batches whose step ran)`` from the Trainer's own
+        #: progress, or None outside a fit. A checkpoint saved while a step is in flight (an
+        #: exception, a preemption signal) must not count that batch as used: the Trainer
+        #: replays it on resume.
+        self.steps_done: Callable[[], tuple[int, int] | None] | None = None
 
     @property
     def sampler(self) -> ShardedOrder:
@@ -293,7 +299,7 @@ class _Loader:
     def consumed(self, batch: FastBatch) -> None:
         """Count ``batch`` (and every batch before it in its epoch) as used."""
         self._tracking = True
-        if batch.epoch == self.order.epoch:
+        if batch.epoch == self.order.epoch == self._counted_epoch:
             self._consumed = max(self._consumed, batch.index + 1)
 
     def _start(self) -> int:
@@ -304,12 +310,27 @@ class _Loader:
             if epoch != self.order.epoch:
                 start = 0
         self._yielded = self._consumed = start
+        self._counted_epoch = self.order.epoch
         return start
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch, batches used in it) as a checkpoint must record them."""
+        if self._resume is not None:
+            return self._resume  # restored, not iterated yet: still the checkpoint's position
+        epoch = self.order.epoch
+        if self._counted_epoch != epoch:
+            return epoch, 0  # a new epoch was selected and no batch of it has been used yet
+        used = self._consumed if self._tracking else self._yielded
+        done = self.steps_done() if self.steps_done is not None else None
+        if done is not None and done[0] == epoch:
+            used = min(used, done[1])
+        return epoch, used
 
     def state_dict(self) -> dict[str, Any]:
         """The position to resume from: epoch and batches consumed, plus what must match."""
-        return {"epoch": self.order.epoch, "batch": self._consumed if self._tracking else self._yielded,
-                "seed": self.order.seed, "shuffle": self.order.shuffle, **self.order.identity()}
+        epoch, used = self._position()
+        return {"epoch": epoch, "batch": used, "seed": self.order.seed, "shuffle": self.order.shuffle,
+                **self.order.identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state['epoch']`` starts at batch ``state['batch']``."""

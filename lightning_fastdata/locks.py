@@ -15,6 +15,9 @@
     parent's, and the kernel drops it when the last process holding it exits, however it
     exits, so a lease is never stale and needs no pid bookkeeping. Pruning takes the
     same lock exclusively and without waiting: it fails while any reader holds a lease.
+:class:`Heartbeat`
+    Touches a path every :data:`HEARTBEAT_S` from a daemon thread: the build lock's owner
+    file, and a build's temporary directory (whose age the sweep of other hosts judges).
 
 This module imports nothing from the package but ``_util``.
 """
@@ -62,6 +65,47 @@ def read_owner(owner: Path) -> dict[str, Any]:
     return {}
 
 
+class Heartbeat:
+    """Touch ``path`` every :data:`HEARTBEAT_S` from a daemon thread, between :meth:`start` and :meth:`stop`.
+
+    Another process, one that cannot see whether the toucher is alive (it runs on another
+    host), reads the path's modification time as its last sign of life. A touch that
+    fails (the path is gone or renamed) is ignored: the next one tries again.
+
+    Args:
+        path: The file or directory to touch.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Heartbeat:
+        """Start touching; returns ``self``."""
+        self._thread = threading.Thread(target=self._run, name="fastdata-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def stop(self) -> None:
+        """Stop touching, and wait for the thread (at most one touch in flight)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
 class BuildLock:
     """Context manager: hold the build lock at ``path`` (see the module docstring).
 
@@ -78,8 +122,7 @@ class BuildLock:
         self.owner = self.path.with_name(self.path.name + ".owner")
         self._lock = filelock.FileLock(str(self.path))
         self._timeout_type = filelock.Timeout
-        self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
+        self._beat: Heartbeat | None = None
 
     def __enter__(self) -> BuildLock:
         start = last_change = time.monotonic()
@@ -101,8 +144,7 @@ class BuildLock:
                 raise LockTimeout(self._holder_message(f"still held after {now - start:.0f} s"))
         try:
             self._write_owner()
-            self._beat = threading.Thread(target=self._heartbeat, name="fastdata-lock-heartbeat", daemon=True)
-            self._beat.start()
+            self._beat = Heartbeat(self.owner).start()
         except BaseException:
             self._lock.release()
             raise
@@ -116,15 +158,9 @@ class BuildLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(doc, f)
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError):
-                os.utime(self.owner)
-
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
         if self._beat is not None:
-            self._beat.join()
+            self._beat.stop()
         with contextlib.suppress(OSError):
             os.unlink(self.owner)
         self._lock.release()

@@ -459,6 +459,11 @@ class ChunkedSource(Source):
         self.device, self.n, self.rows = buffers.device, host.n, buffers.rows
         self._executor: ThreadPoolExecutor | None = None
         self._fill: ThreadPoolExecutor | None = None
+        # The iteration that owns the two chunk buffers: the latest one started. An older
+        # iteration still alive (a second loader of the split iterated mid-epoch) stops with
+        # an error rather than read rows the newer one loaded into the shared buffers.
+        self._owner: object | None = None
+        self._owner_lock = threading.Lock()
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             self._stream = torch.cuda.Stream(self.device)
@@ -525,6 +530,11 @@ class ChunkedSource(Source):
         n_chunks = math.ceil(n_batches / per_chunk)
         on_device = order.to(self.device, non_blocking=True)
         pending: dict[int, Future] = {}
+        me = object()
+        with self._owner_lock:
+            # Loads are queued on one thread in order: those an older iteration left pending
+            # finish before this one's first load, which then overwrites them.
+            self._owner = me
 
         def submit(c: int) -> None:
             pending[c] = self._pool().submit(self._load, c % 2, order[c * rows:(c + 1) * rows])
@@ -538,13 +548,17 @@ class ChunkedSource(Source):
                 if self._cuda:
                     torch.cuda.current_stream(self.device).wait_event(self._ready[c % 2])
                 chunk = self.buffers.slots[c % 2]
-                # The idle slot held chunk c - 1, whose batches were all copied out: refill it now.
-                if c + 1 < n_chunks:
-                    submit(c + 1)
+                with self._owner_lock:
+                    self._check_owner(me)
+                    # The idle slot held chunk c - 1, whose batches were all copied out: refill it now.
+                    if c + 1 < n_chunks:
+                        submit(c + 1)
                 for b in range(max(c * per_chunk, start), min((c + 1) * per_chunk, n_batches)):
                     a = (b - c * per_chunk) * batch_size
                     k = min(batch_size, order.numel() - b * batch_size)
-                    fixed = iter([f[a:a + k].clone() for f in chunk])
+                    with self._owner_lock:  # no newer iteration may start loading mid-copy
+                        self._check_owner(me)
+                        fixed = iter([f[a:a + k].clone() for f in chunk])
                     ragged = {j: self._ragged_to_device(r) for j, r in
                               self.host.gather_ragged(order[b * batch_size:b * batch_size + k]).items()}
                     leaves = [ragged[j] if j in ragged else next(fixed) for j in range(len(self.host.arrays))]
@@ -558,6 +572,17 @@ class ChunkedSource(Source):
             if self._cuda:
                 for event in self._freed:
                     event.record(torch.cuda.current_stream(self.device))
+
+    def _check_owner(self, me: object) -> None:
+        if self._owner is not me:
+            raise RuntimeError(
+                "lightning_fastdata: this iteration of a 'chunked' loader was stopped because another iteration "
+                "of the same split started while it was running (two live iterators over one split, e.g. a "
+                "callback iterating trainer.datamodule.train_dataloader() during training). They share the "
+                "split's two chunk buffers, so this one would have yielded the other's rows. Iterate one loader "
+                "of a split at a time; to look at samples during training, read the store instead "
+                "(datamodule.stores[split].fields), or use strategy='device'"
+            )
 
     def close(self) -> None:
         """Stop the loader threads (they restart when iterated again)."""

@@ -65,6 +65,7 @@ from lightning_fastdata.structure import (  # the sample structure; its public n
     UnstorableSampleError,  # noqa: F401
     check_like,
     flatten,
+    read_sample,
     signature,
     unflatten,  # noqa: F401
     with_kinds,
@@ -190,7 +191,10 @@ def _probe(dataset: Any, transform: Callable[[Any], Any], n: int, probes: int, l
     t0 = time.perf_counter()
     idx = F.probe_indices(n, probes)
     for i in idx:
-        s, leaves = flatten(transform(dataset[i]), i)
+        s, leaves = flatten(read_sample(dataset, transform, i), i)
+        if not leaves:
+            raise StoreError(f"sample {i} has nothing to store (got {s!r}): the source, or static_transform, "
+                             "must return a tensor, an ndarray, a number, or a tuple/list/dict holding at least one")
         if not infos:
             spec, infos = s, layout.apply(with_kinds(signature(leaves), s))
         else:
@@ -209,7 +213,7 @@ def _check_deterministic(dataset: Any, transform: Callable[[Any], Any], probe: _
     """Read every probe index a second time; warn once if any field's bytes differ."""
     names = [i.name for i in probe.infos]
     for i, first in probe.digests.items():
-        _, leaves = flatten(transform(dataset[i]), i)
+        _, leaves = flatten(read_sample(dataset, transform, i), i)
         second = F.leaf_digests(leaves)
         for k, (a, b) in enumerate(zip(first, second, strict=False)):
             if a != b:
@@ -441,19 +445,78 @@ def _open_fields(path: Path, verify: bool, expect_fingerprint: str | None) -> St
     return Store(fields, infos, manifest["spec"], manifest["fingerprint"], path, manifest)
 
 
+def _host() -> str:
+    """This host's name as temporary directories carry it (``~`` separates the parts of their names)."""
+    return socket.gethostname().replace("~", "-")
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, from Linux ``/proc``); ``None`` where unknown.
+
+    A pid is reused once its process has exited; the pid with its start time names one process.
+    """
+    try:
+        # the command name, in parentheses, may hold spaces: count the fields after it (starttime is the 22nd)
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _writer_tag() -> str:
+    """``host~pid[.start]``: this process, in the name of a temporary directory it writes."""
+    pid = os.getpid()
+    start = _started(pid)
+    return f"{_host()}~{pid}" if start is None else f"{_host()}~{pid}.{start}"
+
+
+def _writer_alive(field: str) -> bool | None:
+    """Whether the process a ``pid[.start]`` name field names runs on this host; ``None`` for a malformed field.
+
+    A name without a start time (an older release's, or a platform without ``/proc``) is
+    judged by its pid alone.
+    """
+    text, _, start = field.partition(".")
+    try:
+        pid, recorded = int(text), (int(start) if start else None)
+    except ValueError:
+        return None
+    if pid <= 0:  # kill() would probe a process group, not a process
+        return None
+    if not pid_alive(pid):
+        return False
+    now = _started(pid) if recorded is not None else None
+    return recorded is None or now is None or now == recorded
+
+
 def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Path]:
-    """Remove temporary build directories left by dead writers (this host) or old ones (any host)."""
+    """Remove the temporary directories of builds (and removals) whose writer is gone.
+
+    One written on this host is removed as soon as its writer has exited (its pid runs
+    no more, or names a process started at another time), and never while the writer
+    runs, however long its build takes. One written on another host, whose process
+    cannot be checked, is removed when it was last modified more than ``max_age_s`` ago:
+    a builder touches its directory every few seconds
+    (:class:`~lightning_fastdata.locks.Heartbeat`), so that is the time since its last
+    sign of life, not since its build began.
+
+    Args:
+        cache_dir: The directory holding the temporaries.
+        max_age_s: Seconds without a heartbeat after which another host's temporary is abandoned.
+
+    Returns:
+        The directories removed.
+    """
     removed = []
-    host = socket.gethostname()
+    host = _host()
     for p in cache_dir.glob(f"{_TMP_PREFIX}*"):
         parts = p.name[len(_TMP_PREFIX):].split("~")
-        dead = False
-        if len(parts) >= 3 and parts[1] == host:
-            with contextlib.suppress(ValueError):
-                dead = not pid_alive(int(parts[2]))
-        with contextlib.suppress(OSError):
-            dead = dead or time.time() - os.lstat(p).st_mtime > max_age_s
-        if dead and p.is_dir() and not p.is_symlink():
+        alive = _writer_alive(parts[2]) if len(parts) >= 3 and parts[1] == host else None
+        if alive is None:  # another host's, or a name we cannot read: judge by its last heartbeat
+            try:
+                alive = time.time() - os.lstat(p).st_mtime <= max_age_s
+            except OSError:  # gone meanwhile
+                continue
+        if not alive and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -465,7 +528,7 @@ def remove_cache(path: Path) -> None:
     Processes that have the store's files mapped keep reading them: unlinking a file
     does not take its pages from a mapping.
     """
-    trash = path.with_name(f"{_TMP_PREFIX}trash~{socket.gethostname()}~{os.getpid()}~{path.name}")
+    trash = path.with_name(f"{_TMP_PREFIX}trash~{_writer_tag()}~{path.name}")
     try:
         os.rename(path, trash)
     except OSError:
@@ -707,9 +770,12 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
     infos = probe.infos
     check_space(name, root, n, infos)
     free = shutil.disk_usage(root).free  # for the message, should the disk fill up while writing
-    host = socket.gethostname().replace("~", "-")
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}~{host}~{os.getpid()}~", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}~{_writer_tag()}~", dir=root))
+    # Touched while we build: another host's sweep judges the directory by its age, and
+    # nothing else refreshes it once a fixed-shape store's files are created.
+    beat = locks.Heartbeat(tmp)
     try:
+        beat.start()
         reserve(create_fixed_files(tmp, n, infos), name, root, n, infos)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         workers = num_workers if num_workers is not None else (
@@ -751,6 +817,7 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
             if not (final / MANIFEST).exists():
                 raise
     finally:
+        beat.stop()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 

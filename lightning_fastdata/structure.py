@@ -10,7 +10,7 @@ the field, why a sample does not fit the fields of the first.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,8 +46,14 @@ def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
         return value
     if isinstance(value, (bool, np.bool_)):
         return np.asarray(value, dtype=np.bool_)
-    if isinstance(value, (int, np.integer)):
-        return np.asarray(value, dtype=np.int64)
+    if isinstance(value, np.integer):
+        return np.asarray(value)  # its own dtype, as numpy floats and DataLoader's collate keep it
+    if isinstance(value, int):
+        try:
+            return np.asarray(value, dtype=np.int64)
+        except OverflowError:
+            raise StoreError(f"{where} is the int {value}, outside int64; return it as a float, or as an "
+                             "ndarray of a dtype that holds it (e.g. np.uint64)") from None
     if isinstance(value, (float, np.floating)):
         return np.asarray(value, dtype=np.float64 if isinstance(value, float) else value.dtype)
     if type(value).__module__.startswith("PIL."):
@@ -66,6 +72,18 @@ def _tv_kind(value: Any) -> str | None:
         if cls.__module__.startswith("torchvision.tv_tensors"):
             return _TV_KINDS.get(cls.__name__, "other")
     return None
+
+
+def read_sample(dataset: Any, transform: Callable[[Any], Any], index: int) -> Any:
+    """``transform(dataset[index])``; an error raised there gets a note naming the sample."""
+    try:
+        return transform(dataset[index])
+    except Exception as e:
+        # The user's own code raised: keep its exception (type and traceback), and say which
+        # sample it was reading, which the traceback alone does not (workers lose the frame).
+        e.add_note(f"lightning_fastdata: raised while caching sample {index} (the source's item {index}, "
+                   "then static_transform)")
+        raise
 
 
 def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarray]]]:

@@ -125,6 +125,56 @@ def test_mid_epoch_checkpoint_resume_is_exact(tmp_path):
         assert torch.equal(y0, y1) and torch.equal(x0, x1)
 
 
+class _FailsOnce(TinyModel):
+    """Raises in its first training step (as a crash or a preemption mid-step would end a run)."""
+
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("the step failed")
+
+
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_a_checkpoint_saved_as_a_step_fails_resumes_at_that_batch(tmp_path, strategy):
+    """OnExceptionCheckpoint saves while the step is in flight: its batch was transferred but never
+    trained on, so the resume must replay it (as Lightning's own progress does), not skip it."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    cache = str(tmp_path / "c")
+
+    def dm():
+        return TinyDataModule(n=64, batch_size=8, cache_dir=cache, device="cpu", train_augment=_aug(), val=False,
+                              strategy=strategy, num_workers=0)
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    full = TinyModel(record=True)
+    trainer(tmp_path, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True).fit(full, dm())
+    crash = OnExceptionCheckpoint(dirpath=tmp_path / "exc", filename="crash")
+    with pytest.raises(RuntimeError, match="the step failed"):
+        trainer(tmp_path, max_epochs=1, callbacks=[crash], enable_checkpointing=True).fit(
+            _FailsOnce(), dm(), ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"))
+    resumed = TinyModel(record=True)
+    trainer(tmp_path, max_epochs=1).fit(resumed, dm(), ckpt_path=str(tmp_path / "exc" / "crash.ckpt"))
+    assert len(resumed.seen) == 5
+    for (x0, y0), (x1, y1) in zip(full.seen[3:], resumed.seen, strict=True):
+        assert torch.equal(y0, y1) and torch.equal(x0, x1)
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "workers"])
+def test_a_fit_that_fails_leaves_no_loader_threads_or_workers(tmp_path, strategy):
+    import threading
+
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    dm = TinyDataModule(n=64, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        strategy=strategy, num_workers=2 if strategy == "workers" else 0, persistent_workers=False)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        trainer(tmp_path, max_epochs=1).fit(_FailsOnce(), dm)
+    names = [t.name for t in threading.enumerate() if t.name.startswith("lightning_fastdata")]
+    assert names == []
+    children = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not children or all(not psutil.pid_exists(p) for p in children)
+
+
 def test_unstorable_samples_fall_back_to_per_sample_workers(cache_dir):
     class WithNames(TinyDataModule):
         def static_transform(self, sample):

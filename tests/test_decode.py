@@ -49,6 +49,21 @@ def test_grayscale_and_cmyk_come_out_rgb():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_samples_asked_for_one_channel_come_out_grayscale_the_others_rgb(threads):
+    data = [_jpeg("L"), _jpeg("RGB", seed=1), _jpeg("L", seed=2), _jpeg("CMYK", seed=3)]
+    out = decode_jpegs(data, "cpu", threads=threads, channels=[1, 3, 1, 3])
+    assert [tuple(o.shape) for o in out] == [(1, 30, 40), (3, 30, 40), (1, 30, 40), (3, 30, 40)]
+    for d, img in zip(data, out, strict=True):
+        pil = Image.open(io.BytesIO(d.numpy().tobytes()))
+        rgb = np.array(pil.convert("RGB")).transpose(2, 0, 1)
+        want = np.array(pil.convert("L"))[None] if img.shape[0] == 1 else rgb
+        if pil.mode == "L":  # the decoder's own grayscale: libjpeg-turbo, as PIL: bit-equal
+            assert np.array_equal(img.numpy(), want)
+    with pytest.raises(ValueError, match=r"channels has 2 entries for 4 samples"):
+        decode_jpegs(data, "cpu", channels=[1, 3])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_a_corrupt_sample_is_named(threads):
     good = _jpeg()
     data = [good, good, good[: good.numel() // 3], good]

@@ -245,3 +245,89 @@ def test_resized_crops_from_the_stored_jpegs_equal_torchvision_on_the_same_bytes
         assert checked == N
     finally:
         dm.teardown("fit")
+
+
+class Images(torch.utils.data.Dataset):
+    """Sample i is ``items[i]`` and its index."""
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i], i
+
+
+class ImagesModule(OptimizedDataModule):
+    def __init__(self, items: list[torch.Tensor], **kwargs) -> None:
+        kwargs.setdefault("progress", False)
+        super().__init__(**kwargs)
+        self.items = items
+
+    def source(self, split: str):
+        return Images(self.items) if split == "train" else None
+
+
+def _pil_jpeg(mode: str, i: int) -> torch.Tensor:
+    import io
+
+    from PIL import Image
+
+    bands = {"L": 1, "RGB": 3, "CMYK": 4}[mode]
+    arr = photo(i, 30, 50, channels=bands).permute(1, 2, 0).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(arr[..., 0] if bands == 1 else arr, mode=mode).save(buf, "JPEG", quality=90)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("strategy,workers", [("device", 0), ("workers", 2)])
+def test_encoded_images_keep_their_channels_and_source_bytes_decode_rgb_as_recorded(tmp_path, strategy, workers):
+    # Grayscale tensors the store encodes come back grayscale (as unencoded storage gives them);
+    # JPEG files' bytes come back RGB whatever their own channels (as ImageFolder's loader), and
+    # the recorded decoded shapes say what the decode gives.
+    items = [photo(0, 30, 50, channels=1), photo(1, 30, 50, channels=1), _pil_jpeg("L", 2), _pil_jpeg("CMYK", 3),
+             _pil_jpeg("RGB", 4), photo(5, 30, 50, channels=1)]
+    want_c = [1, 1, 3, 3, 3, 1]
+    dm = ImagesModule(items, batch_size=6, cache_dir=str(tmp_path / "cache"), encode={"0": "jpeg"}, device="cpu",
+                      strategy=strategy, num_workers=workers, shuffle=False)
+    dm.setup("fit")
+    try:
+        batch = next(iter(dm.train_dataloader()))
+        assert batch.leaves[0].decoded_shapes[:, 0].tolist() == [want_c[i] for i in batch.indices.tolist()]
+        images, _ = dm.on_after_batch_transfer(batch, 0)
+        for img, i in zip(images, batch.indices.tolist(), strict=True):
+            assert img.shape[0] == want_c[i], f"sample {i}"
+            if i in (0, 1, 5):  # within JPEG's loss of the grayscale original
+                assert (img.int() - items[i].int()).abs().float().mean() < 3
+    finally:
+        dm.teardown("fit")
+
+
+def test_jpeg_bytes_cut_short_are_refused_naming_the_sample(tmp_path, jpeg_files):
+    good = [torch.from_numpy(np.fromfile(p, dtype=np.uint8)) for p in jpeg_files[:6]]
+    padded = torch.cat([good[1], torch.zeros(500, dtype=torch.uint8)])  # data after the end marker: legal
+    items = [good[0], padded, good[2], good[3][: good[3].numel() * 2 // 3], good[4]]
+    with pytest.raises(StoreError, match=r"sample 3, field '0' is JPEG bytes \(\d+ bytes\) that do not decode "
+                                         r"\(.*\): the file is truncated or corrupt"):
+        build_store(Images(items), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False)
+    assert not list((tmp_path / "cache").glob("train-*"))
+    store = build_store(Images(items[:3]), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False)
+    assert len(store) == 3  # trailing bytes after the end-of-image marker are kept, as read
+
+
+def test_a_jpeg_that_fails_mid_training_names_its_dataset_index(tmp_path, jpeg_files):
+    dm = PhotoModule(jpeg_files, batch_size=4, cache_dir=str(tmp_path / "cache"), encode={"0": "jpeg"},
+                     device="cpu", shuffle=False)
+    dm.setup("fit")
+    try:
+        batches = iter(dm.train_dataloader())
+        next(batches), next(batches)
+        batch = next(batches)  # samples 8..11
+        leaf = batch.leaves[0]
+        leaf.values[int(leaf.offsets[1]):int(leaf.offsets[1]) + 200] = 0  # sample 9's bytes, in this batch only
+        with pytest.raises(ValueError, match=r"sample 1 of the batch \(dataset index 9\) is not a decodable JPEG"):
+            dm.on_after_batch_transfer(batch, 0)
+    finally:
+        dm.teardown("fit")

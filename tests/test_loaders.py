@@ -124,6 +124,59 @@ def test_resume_mid_epoch_yields_the_rest():
     assert len(list(resumed)) == len(ref)
 
 
+def test_a_checkpoint_before_the_first_resumed_batch_keeps_the_checkpoints_position():
+    # A resumed run saved again before it used a batch (an exception, a second preemption)
+    # must not send the next resume back to the start of the epoch.
+    s = _store(50)
+
+    def loader():
+        return device_loader(s, ShardedOrder(50, 8, seed=2))
+
+    first = loader()
+    first.set_epoch(1)
+    it = iter(first)
+    for _ in range(3):
+        first.consumed(next(it))
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    again = resumed.state_dict()
+    assert (again["epoch"], again["batch"]) == (1, 3)
+    last = loader()
+    last.load_state_dict(again)
+    assert [b.index for b in last] == [3, 4, 5, 6]
+
+
+def test_a_new_epoch_starts_at_batch_zero_before_its_first_batch():
+    s = _store(40)
+    ld = device_loader(s, ShardedOrder(40, 8, seed=1))
+    for b in ld:
+        ld.consumed(b)
+    assert ld.state_dict()["batch"] == 5
+    ld.sampler.set_epoch(1)  # as Lightning selects the next epoch: on the loader's sampler
+    state = ld.state_dict()
+    assert (state["epoch"], state["batch"]) == (1, 0)  # not (1, 5): that would skip epoch 1
+    stale = next(iter(device_loader(s, ShardedOrder(40, 8, seed=1))))  # a batch of epoch 0
+    ld.consumed(stale)
+    assert ld.state_dict()["batch"] == 0
+
+
+def test_batches_whose_step_did_not_run_are_not_counted():
+    # The trainer's own count of finished steps caps the transfers counted: a checkpoint saved
+    # while a step is in flight (an exception in it) makes the resume replay that batch.
+    s = _store(48)
+    ld = device_loader(s, ShardedOrder(48, 8, seed=3))
+    it = iter(ld)
+    for _ in range(4):
+        ld.consumed(next(it))
+    assert ld.state_dict()["batch"] == 4
+    ld.steps_done = lambda: (0, 3)
+    assert ld.state_dict()["batch"] == 3
+    ld.steps_done = lambda: (1, 0)  # another epoch's count says nothing of this one
+    assert ld.state_dict()["batch"] == 4
+    ld.steps_done = lambda: None  # outside a fit
+    assert ld.state_dict()["batch"] == 4
+
+
 def test_resume_refuses_a_different_configuration():
     s = _store(50)
     a = device_loader(s, ShardedOrder(50, 8))

@@ -221,3 +221,25 @@ def test_chunks_filled_by_several_threads_hold_the_same_rows(threads):
     source.close()
     with pytest.raises(ValueError, match="fill_threads must be an int >= 1, got 0"):
         ChunkedSource(HostSource(list(store.fields)), buffers, fill_threads=0)
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_an_older_live_iteration_stops_rather_than_read_the_newer_ones_rows(ahead):
+    # Two live iterations of one split share its two chunk buffers (a callback iterating a
+    # second train loader mid-epoch): the newer one is exact, the older one raises when
+    # resumed instead of yielding rows the newer one loaded.
+    store = make_store(100)
+    ref = collect(device_loader(store, ShardedOrder(100, 5, seed=2)))
+    loader = chunked_loader(store, ShardedOrder(100, 5, seed=2), chunk_bytes=2 * 5 * ROW)
+    loader.ahead = ahead
+    old = iter(loader)
+    first = [next(old).structure() for _ in range(3)]
+    assert same(first, ref[:3])
+    assert same(collect(loader), ref)
+    more = []
+    with pytest.raises(RuntimeError, match=r"another iteration of the same split started while it was running"):
+        for batch in old:  # batches made ahead before the newer iteration started are still right
+            more.append(batch.structure())
+    assert len(more) <= ahead + 1 and same(more, ref[3:3 + len(more)])  # queued + one being handed over
+    old.close()
+    assert same(collect(loader), ref)  # and the loader goes on working

@@ -136,6 +136,131 @@ def test_writer_killed_mid_write_leaves_no_cache_and_is_swept(cache_dir):
     assert not list(cache_dir.glob(".tmp-*")) and len(store) == 200
 
 
+_DAY = 24 * 3600
+
+
+def _back_date(path, seconds=_DAY + 3600):
+    import os
+    import time
+
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def _wait_for_temporary(cache_dir, timeout_s=60.0):
+    """The build temporary in ``cache_dir`` once its fixed-shape files exist (nothing touches it after)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [p for p in cache_dir.glob(".tmp-*") if (p / "field_0.npy").exists()]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no build temporary appeared in {cache_dir}")
+
+
+def test_a_live_builders_temporary_is_not_swept_however_old(cache_dir):
+    """A build running for more than a day keeps its temporary through other builds and prunes."""
+    from lightning_fastdata.caches import prune_caches
+
+    proc = _builder(cache_dir, n=200, delay=0.02)
+    try:
+        tmp = _wait_for_temporary(cache_dir)
+        _back_date(tmp)  # as if the build had started 25 h ago
+        val = build_store(CountingDataset(5), lambda s: s, cache_dir, name="val", progress=False)
+        prune_caches(cache_dir)  # `fastdata cache prune` sweeps too (it keeps `val`: open here)
+        assert tmp.exists()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    fp, calls = out.split()
+    assert int(calls) == 200 + 2 * 8  # it built the cache
+    store = open_store(cache_dir / f"train-{fp[:16]}", verify=True)
+    assert len(store) == 200 and len(val) == 5 and not list(cache_dir.glob(".tmp-*"))
+
+
+def test_temporaries_of_exited_writers_are_swept_at_once(cache_dir):
+    """This host's temporaries: swept when the pid runs no more or names a newer process, kept while it runs."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from lightning_fastdata import store as S
+
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait(timeout=60)
+    host = S._host()
+    cache_dir.mkdir(parents=True)
+    dead = [cache_dir / f".tmp-train~{host}~{gone.pid}~a", cache_dir / f".tmp-train~{host}~{gone.pid}.12345~b",
+            cache_dir / f".tmp-trash~{host}~{gone.pid}~train-0123456789abcdef"]
+    start = S._started(os.getpid())
+    live = cache_dir / f".tmp-train~{S._writer_tag()}~d"
+    if start is not None:  # a platform with /proc: a reused pid is told apart by its start time
+        dead.append(cache_dir / f".tmp-train~{host}~{os.getpid()}.{start + 1}~c")
+    for d in [*dead, live]:
+        d.mkdir()
+        (d / "field_0.npy").touch()
+    _back_date(live)
+    try:
+        build_store(CountingDataset(5), lambda s: s, cache_dir, progress=False)
+        assert [d for d in dead if d.exists()] == [] and live.exists()
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
+
+
+def test_another_hosts_temporary_is_judged_by_its_builders_heartbeat(cache_dir, monkeypatch):
+    """A builder touches its temporary while it runs; one of another host is swept only when that stops."""
+    import threading
+    import time
+
+    from lightning_fastdata import locks
+    from lightning_fastdata.caches import prune_caches
+
+    monkeypatch.setattr(locks, "HEARTBEAT_S", 0.02)
+    gate, built, errors = threading.Event(), [], []
+
+    def held(s):
+        if list(cache_dir.glob(".tmp-*")):  # filling: wait until the test has seen the heartbeat
+            gate.wait(timeout=60)
+        return s
+
+    def build():
+        try:
+            built.append(build_store(CountingDataset(10), held, cache_dir, progress=False, num_workers=0))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    try:
+        tmp = _wait_for_temporary(cache_dir)
+        _back_date(tmp)
+        deadline = time.monotonic() + 30
+        while time.time() - tmp.stat().st_mtime > 3600 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert time.time() - tmp.stat().st_mtime < 3600  # the builder touched it again
+    finally:
+        gate.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive() and not errors and len(built[0]) == 10
+
+    fresh, stale = cache_dir / ".tmp-val~another-host~1~a", cache_dir / ".tmp-val~another-host~1~b"
+    for d in (fresh, stale):
+        d.mkdir()
+        (d / "field_0.npy").touch()
+    _back_date(stale)
+    prune_caches(cache_dir, older_than_s=_DAY)  # sweeps; keeps the cache, used just now
+    assert fresh.exists() and not stale.exists()
+    _back_date(fresh)  # its builder stopped beating a day ago
+    prune_caches(cache_dir, older_than_s=_DAY)
+    assert not fresh.exists() and built[0].path.exists()
+
+
 def test_builders_sharing_a_filesystem_build_once_the_others_wait_and_reuse(cache_dir):
     """Ranks of several nodes on one shared filesystem, no cache yet: one build under the lock."""
     procs = [_builder(cache_dir, n=60, delay=0.01, namespace="proj.Images") for _ in range(3)]
