@@ -26,6 +26,8 @@ with 0); photometric and intensity ops (``ToDtype``, ``Normalize``, ``ColorJitte
 ``RandomErasing``, ``GaussianNoise``, the intensity ops) touch image fields only;
 ``other`` fields always pass through. Every op has ``draw(x, keys)`` (the per-sample
 parameters) and ``apply(x, **params)``: ``op(x, keys) == op.apply(x, **op.draw(x, keys))``.
+``Compose`` and ``RandomApply`` draw the keys their ops draw from (an inner op's parameters
+depend on what the ops before it made, so they are drawn as the ops run).
 
 Ops work on uint8 where they can (crop, flip): augment first, then convert and normalise
 last (``Normalize`` accepts integers and converts in the same pass). No op makes the host
@@ -35,14 +37,17 @@ wait for the device.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
+    as_batch,
     bcast,
     host_shortcuts,
+    keep_format,
     probability,
     replace_rows,
 )
@@ -73,10 +78,25 @@ def _check_ops(transforms: Sequence[Callable], owner: str) -> list[Callable]:
 
 
 def _run(op: Callable, batch: Batch, keys: SampleKeys) -> Batch:
-    """Run one op with ``keys``; a plain callable (not a BatchTransform) maps each image field."""
+    """Run one op with ``keys``; a plain callable (not a BatchTransform) maps each image field
+    (each image of a list field: it takes a tensor, never a list)."""
     if isinstance(op, BatchTransform):
         return op.forward(batch.replace(keys=keys))
+    if batch.ragged:
+        return batch.map(image=lambda xs: [op(x) for x in xs])
     return batch.map(image=op)
+
+
+def _keys_for(batch: Batch, keys: SampleKeys | None, op: str) -> SampleKeys:
+    """The keys an ``apply`` runs its ops with: ``keys`` (from ``draw``), else the batch's."""
+    if keys is None:
+        return batch.keys
+    if not isinstance(keys, SampleKeys):
+        raise TypeError(f"{op}.apply keys must be the SampleKeys from {op}.draw, got {type(keys).__name__}")
+    if len(keys) != len(batch):
+        raise ValueError(f"{op}.apply got keys of {len(keys)} samples for a batch of {len(batch)}; pass the "
+                         f"parameters {op}.draw returned for this batch")
+    return keys
 
 
 def _fusable_crop(op: Callable) -> bool:
@@ -113,14 +133,30 @@ class Compose(BatchTransform):
     - ``Resize(int)`` followed by ``CenterCrop`` on a list of images, on an accelerator,
       resamples straight to the crop (within float rounding of the two ops in sequence).
 
-    Callables that are not augment ops are applied to each image field's tensor.
+    Callables that are not augment ops are applied to each image field's tensor (to each
+    image's tensor, on a list of images).
+
+    ``draw`` gives the keys the ops draw from (``keys``; op i draws from ``keys.child(i)``
+    when it runs, as its parameters depend on what the ops before it made) and
+    ``apply(x, keys=keys)`` runs the ops with them.
 
     Args:
         transforms: The ops, applied first to last.
     """
 
+    #: Lists are handled op by op (size-fixing ops turn them into batch tensors), never per sample.
+    lists = True
+
     def __init__(self, transforms: Sequence[BatchTransform]) -> None:
         self.transforms = _check_ops(transforms, "Compose")
+
+    def make_params(self, batch: Batch) -> dict[str, Any]:
+        """``keys``: the batch's keys, which the ops draw from (op i from ``keys.child(i)``)."""
+        return {"keys": batch.keys}
+
+    def apply_batch(self, batch: Batch, keys: SampleKeys | None = None) -> Batch:
+        """Run the ops with ``keys`` (default: the batch's)."""
+        return self.forward(batch.replace(keys=_keys_for(batch, keys, "Compose")))
 
     def forward(self, batch: Batch) -> Batch:
         """Run the ops on a Batch."""
@@ -169,7 +205,8 @@ class RandomApply(BatchTransform):
     ``keys.child(i)``, so a chosen sample gets the parameters it would get in any batch.
     On the CPU the chosen samples are transformed as one smaller batch; on accelerators
     every sample is transformed and the chosen ones kept (no host sync). The transforms
-    must keep the shape and dtype of image and mask fields.
+    must keep the shape and dtype of image and mask fields. ``draw`` gives the coins
+    (``apply``) and the keys the transforms draw from (``keys``).
 
     Args:
         transforms: The ops to apply to the chosen samples.
@@ -180,14 +217,21 @@ class RandomApply(BatchTransform):
         self.transforms = _check_ops(transforms, "RandomApply")
         self.p = probability(p)
 
-    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """``apply``: bool (N,), the samples that are transformed."""
-        return {"apply": batch.keys.bernoulli(0, self.p)}
+    def make_params(self, batch: Batch) -> dict[str, Any]:
+        """``apply``: bool (N,), the samples that are transformed; ``keys``: the batch's keys,
+        which the transforms draw from (transform i from ``keys.child(i)``)."""
+        return {"apply": batch.keys.bernoulli(0, self.p), "keys": batch.keys}
 
-    def apply_batch(self, batch: Batch, apply: torch.Tensor) -> Batch:
-        """Run the transforms on the samples where ``apply``."""
+    def draw(self, x: torch.Tensor | list[torch.Tensor] | Batch,
+             keys: SampleKeys | None = None) -> dict[str, Any]:
+        """The coins and keys this op would use on ``x`` with ``keys``."""
+        # Both depend on the keys only: drawn for a whole list of images too (not per sample).
+        return self.make_params(as_batch(x, keys)[0])
+
+    def apply_batch(self, batch: Batch, apply: torch.Tensor, keys: SampleKeys | None = None) -> Batch:
+        """Run the transforms (drawing from ``keys``, default the batch's) on the samples where ``apply``."""
         names = batch.names("image", "mask")
-        keys = batch.keys
+        keys = _keys_for(batch, keys, "RandomApply")
         if host_shortcuts(batch.device):
             rows = apply.nonzero().view(-1)
             if not rows.numel():
@@ -207,11 +251,9 @@ class RandomApply(BatchTransform):
                                  f"{tuple(y.shape[1:])} {y.dtype} from {tuple(x.shape[1:])} {x.dtype}; "
                                  "put resizing and converting ops outside RandomApply")
             if host_shortcuts(batch.device):
-                out[k] = replace_rows(x, rows, y.contiguous())
-                if x.ndim == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-                    out[k] = out[k].contiguous(memory_format=torch.channels_last)
+                out[k] = keep_format(replace_rows(x, rows, y.contiguous()), x)
             else:
-                out[k] = torch.where(bcast(apply, x.ndim), y, x)
+                out[k] = keep_format(torch.where(bcast(apply, x.ndim), y, x), x)
         return batch.replace(out)
 
 

@@ -10,6 +10,7 @@ between N and C (video frames) share their sample's draw.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -305,7 +306,13 @@ class BatchTransform:
     :class:`Batch`; the result has the same type, except that size-fixing ops turn lists
     into batch tensors. Subclasses define ``make_params(batch)`` (the per-sample
     parameters, drawn from ``batch.keys`` only) and ``apply_batch(batch, **params)``;
-    ``draw`` and ``apply`` are their public faces, so ``op(x, keys) == op.apply(x, **op.draw(x, keys))``.
+    ``draw`` and ``apply`` are their public faces, so ``op(x, keys) == op.apply(x, **op.draw(x, keys))``
+    for every op. Ops that run other ops (``Compose``, ``RandomApply``) draw the keys the
+    inner ops draw from (their parameters depend on what the ops before them made).
+
+    A parameter is a tensor with one row per sample, a dict of parameters (e.g. one noise
+    tensor per image field), a list with one tensor per sample (without the batch dim: a
+    ragged batch's per-sample draws whose shapes differ), or a ``SampleKeys``.
     An op whose ``lists`` is False runs once per sample on a ragged batch, each sample a
     batch of one with its own keys (the same pixels it would get in a batch tensor).
     """
@@ -325,26 +332,26 @@ class BatchTransform:
             return per_sample(self, batch)
         return self.apply_batch(batch, **self.make_params(batch))
 
-    def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def make_params(self, batch: Batch) -> dict[str, Any]:
         """Per-sample parameters from ``batch.keys`` (deterministic ops: none)."""
         return {}
 
-    def apply_batch(self, batch: Batch, **params: torch.Tensor) -> Batch:
+    def apply_batch(self, batch: Batch, **params: Any) -> Batch:
         """The op at the given parameters."""
         raise NotImplementedError
 
     def draw(self, x: torch.Tensor | list[torch.Tensor] | Batch,
-             keys: SampleKeys | None = None) -> dict[str, torch.Tensor]:
+             keys: SampleKeys | None = None) -> dict[str, Any]:
         """The per-sample parameters this op would use on ``x`` with ``keys``."""
         batch = as_batch(x, keys)[0]
         if batch.ragged and not self.lists:
             rows = torch.arange(len(batch), device=batch.keys.device)
             each = [self.make_params(batch.sample(i, rows)) for i in range(len(batch))]
-            return {k: torch.cat([p[k] for p in each]) for k in each[0]}
+            return {k: join_rows([p[k] for p in each], f"{type(self).__name__} parameter {k!r}") for k in each[0]}
         return self.make_params(batch)
 
     def apply(self, x: torch.Tensor | list[torch.Tensor] | Batch,
-              **params: torch.Tensor) -> torch.Tensor | list[torch.Tensor] | Batch:
+              **params: Any) -> torch.Tensor | list[torch.Tensor] | Batch:
         """The op on ``x`` at the given per-sample parameters (as returned by ``draw``)."""
         batch, name = as_batch(x, None)
         if batch.ragged and not self.lists:
@@ -361,7 +368,7 @@ class BatchTransform:
 _WARNED: set[str] = set()
 
 
-def per_sample(op: BatchTransform, batch: Batch, params: dict[str, torch.Tensor] | None = None) -> Batch:
+def per_sample(op: BatchTransform, batch: Batch, params: dict[str, Any] | None = None) -> Batch:
     """``op`` on each sample of a ragged batch as a batch of one (drawn with that sample's
     keys, or at row i of ``params``); the fields stay lists."""
     name = type(op).__name__
@@ -378,10 +385,48 @@ def per_sample(op: BatchTransform, batch: Batch, params: dict[str, torch.Tensor]
         if params is None:
             res = op.forward(one)
         else:
-            res = op.apply_batch(one, **{k: v[i:i + 1] for k, v in params.items()})
+            res = op.apply_batch(one, **{k: take_row(v, i, rows) for k, v in params.items()})
         for k in names:
             outs[k].append(res.fields[k][0])
     return batch.replace(outs)
+
+
+def join_rows(values: list[Any], what: str) -> Any:
+    """One parameter of a ragged batch from its samples' draws (each for a batch of one).
+
+    Tensors are concatenated along the samples, or kept as a list of per-sample tensors
+    (batch dim dropped) where their shapes differ (noise of each image's size); dicts are
+    joined per entry; lists (one tensor per sample already) are concatenated.
+    """
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if all(isinstance(v, torch.Tensor) and v.shape[1:] == first.shape[1:] for v in values):
+            return torch.cat(values)
+        return [v[0] for v in values]
+    if isinstance(first, Mapping):
+        return {k: join_rows([v[k] for v in values], f"{what}[{k!r}]") for k in first}
+    if isinstance(first, list):
+        return [e for v in values for e in v]
+    raise TypeError(f"{what} is a {type(first).__name__}; per-sample draws of a ragged batch can only join "
+                    "tensors, dicts and lists of them (give the op a draw of its own)")
+
+
+def take_row(value: Any, i: int, rows: torch.Tensor) -> Any:
+    """Sample ``i``'s part of a parameter, as a parameter of a batch of one (``rows`` is
+    ``arange(N)`` on the keys' device)."""
+    if isinstance(value, torch.Tensor):
+        return value[i:i + 1]
+    if isinstance(value, Mapping):
+        return {k: take_row(v, i, rows) for k, v in value.items()}
+    if isinstance(value, SampleKeys):
+        if len(value) != len(rows):
+            raise ValueError(f"got keys of {len(value)} samples for a batch of {len(rows)}; pass the parameters "
+                             "draw returned for this batch")
+        return value.take(rows[i:i + 1])
+    if isinstance(value, list):
+        entry = value[i]
+        return entry.unsqueeze(0) if isinstance(entry, torch.Tensor) else entry
+    return value  # not per sample (None, a number): the same for every sample
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -420,11 +465,65 @@ def const(values: Sequence[float], device: torch.device, dtype: torch.dtype = to
     return out
 
 
+def _int(value: Any) -> int | None:
+    """``value`` as an int if it is one (integral floats too, as configs give 32.0), else None."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return operator.index(value)  # ints, numpy and 0-d tensor integers
+    except TypeError:
+        pass
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(f) if math.isfinite(f) and f.is_integer() else None
+
+
+def _float(value: Any) -> float | None:
+    """``value`` as a float if it is a number (not a bool or a string), else None."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _items(value: Any) -> list[Any] | None:
+    """The items of a sequence argument; None for a string or a single value."""
+    if isinstance(value, (str, bytes)) or _float(value) is not None:
+        return None
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
+def float_seq(value: Any, name: str, what: str = "a sequence of numbers") -> tuple[float, ...]:
+    """A sequence of numbers as floats; a single number, a string or a non-number is refused
+    with a TypeError naming ``name`` (``what`` says what it should be)."""
+    items = _items(value)
+    out = None if items is None else [_float(v) for v in items]
+    if out is None or None in out:
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def int_seq(value: Any, name: str, what: str = "an int or a sequence of ints") -> tuple[int, ...]:
+    """An int or a sequence of ints (integral floats accepted) as a tuple; strings,
+    fractions and other values are refused with a TypeError naming ``name``."""
+    single = _int(value)
+    items = [single] if single is not None else _items(value)
+    out = None if items is None else [_int(v) for v in items]
+    if out is None or None in out:
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    return tuple(out)  # type: ignore[arg-type]
+
+
 def spatial_arg(value: int | Sequence[int], name: str, lowest: int = 0) -> tuple[int, ...]:
     """An int (every spatial dim) or one int per spatial dim (2 or 3), each >= ``lowest``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or 2 or 3 ints, got {value!r}")
-    out = (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+    out = int_seq(value, name, "an int or 2 or 3 ints")
     if len(out) not in (1, 2, 3):
         raise ValueError(f"{name} must be an int, a pair (h, w) or a triple (d, h, w), got {value!r}")
     if min(out) < lowest:
@@ -445,7 +544,7 @@ def per_dim(value: tuple[int, ...], sd: int, name: str, op: str) -> tuple[int, .
 def float_range(value: float | Sequence[float], name: str, center: float | None = None,
                 lower: float = float("-inf"), upper: float = float("inf")) -> tuple[float, float]:
     """``value`` as (lo, hi); a number means ``center -/+ value`` (or ``-/+ value``)."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{name} must be a number or a pair (min, max), got {value!r}")
     if isinstance(value, (int, float)):
         if value < 0:
@@ -455,7 +554,7 @@ def float_range(value: float | Sequence[float], name: str, center: float | None 
         if center is not None:
             lo = max(lo, lower)
     else:
-        pair = [float(v) for v in value]
+        pair = float_seq(value, name, "a number or a pair (min, max)")
         if len(pair) != 2:
             raise ValueError(f"{name} must be a number or a pair (min, max), got {value!r}")
         lo, hi = pair
@@ -473,12 +572,25 @@ def probability(p: float, name: str = "p") -> float:
 
 def fill_values(fill: float | Sequence[float], name: str) -> list[float]:
     """A fill: one number, or one per channel."""
+    what = "a number or one number per channel"
     if isinstance(fill, bool):
-        raise TypeError(f"{name} must be a number or one number per channel, got {fill!r}")
-    values = [float(fill)] if isinstance(fill, (int, float)) else [float(v) for v in fill]
+        raise TypeError(f"{name} must be {what}, got {fill!r}")
+    values = [float(fill)] if isinstance(fill, (int, float)) else list(float_seq(fill, name, what))
     if not values:
         raise ValueError(f"{name} must be a number or one number per channel, got {fill!r}")
     return values
+
+
+def refuse_bool_images(batch: Batch, op: str, reason: str) -> None:
+    """A ValueError naming the first bool image field of ``batch``: ``op`` ``reason`` (why it
+    needs numbers with a value range), and what to do instead."""
+    for name in batch.names("image"):
+        x = batch.fields[name]
+        dtype = x[0].dtype if isinstance(x, list) else x.dtype
+        if dtype == torch.bool:
+            raise ValueError(f"{op}: image field {name!r} is torch.bool, and {op} {reason}; give a binary map "
+                             "the kind 'mask' (moved nearest-neighbour, never scaled), or convert the image "
+                             "first, e.g. ToDtype('uint8', scale=False) or ToDtype('float32', scale=False) (0/1)")
 
 
 def keep_format(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -530,11 +642,21 @@ def bcast(v: torch.Tensor, ndim: int) -> torch.Tensor:
 CPU_CHUNK_ELEMENTS = 1 << 19
 
 
-def chunked(fn: Callable[..., torch.Tensor], x: torch.Tensor, *per_sample: torch.Tensor) -> torch.Tensor:
-    """``fn(x, *per_sample)`` over sample chunks on the CPU (per-sample tensors sliced alike)."""
+def chunk_rows(x: torch.Tensor) -> int:
+    """The samples per chunk ``chunked`` cuts ``x`` into (all of them off the CPU)."""
+    if x.device.type != "cpu":
+        return max(1, x.shape[0])
+    return max(1, CPU_CHUNK_ELEMENTS // max(1, x[0].numel()))
+
+
+def chunked(fn: Callable[..., torch.Tensor], x: torch.Tensor, *per_sample: torch.Tensor,
+            rows: int | None = None) -> torch.Tensor:
+    """``fn(x, *per_sample)`` over sample chunks on the CPU (per-sample tensors sliced alike);
+    ``rows`` (default ``chunk_rows(x)``) cuts the chunks of another field alike."""
     n = x.shape[0]
-    rows = max(1, CPU_CHUNK_ELEMENTS // max(1, x[0].numel()))
-    if x.device.type != "cpu" or n <= rows:
+    if rows is None:
+        rows = chunk_rows(x)
+    if n <= rows:
         return fn(x, *per_sample)
     parts = [fn(x[a:a + rows], *(p[a:a + rows] for p in per_sample)) for a in range(0, n, rows)]
     return torch.cat(parts)

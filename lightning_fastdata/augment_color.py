@@ -21,9 +21,11 @@ from lightning_fastdata.augment_base import (
     const,
     fill_values,
     float_range,
+    float_seq,
     host_shortcuts,
     keep_format,
     probability,
+    refuse_bool_images,
     samples_view,
 )
 from lightning_fastdata.augment_resample import box_attempts, first_valid_box
@@ -89,6 +91,9 @@ class ToDtype(BatchTransform):
     def apply_batch(self, batch: Batch) -> Batch:
         """Convert every image field."""
         target = DTYPES[self.dtype]
+        if self.scale:
+            refuse_bool_images(batch, "ToDtype", "with scale=True scales by the input dtype's maximum, which bool "
+                                                 "lacks (scale=False maps it to 0/1)")
         return batch.map(image=lambda x: to_dtype(x, target, self.scale))
 
 
@@ -103,7 +108,8 @@ class Normalize(BatchTransform):
     """
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], dtype: str = "float32") -> None:
-        self.mean, self.std = [float(m) for m in mean], [float(s) for s in std]
+        self.mean = list(float_seq(mean, "mean", "one number per channel (a sequence)"))
+        self.std = list(float_seq(std, "std", "one number per channel (a sequence)"))
         if len(self.mean) != len(self.std) or not self.mean:
             raise ValueError(f"mean and std need one value per channel, got {mean!r} and {std!r}")
         if min(self.std) <= 0:
@@ -114,6 +120,7 @@ class Normalize(BatchTransform):
 
     def apply_batch(self, batch: Batch) -> Batch:
         """Normalise every image field: one ``addcmul`` pass, the integer conversion included."""
+        refuse_bool_images(batch, "Normalize", "scales integer images by their dtype's maximum, which bool lacks")
         cdim, sd = channel_dim(batch), batch.spatial_dims
 
         def run(x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +221,7 @@ class ColorJitter(BatchTransform):
     def apply_batch(self, batch: Batch, order: torch.Tensor, factors: torch.Tensor) -> Batch:
         """``F.adjust_brightness/contrast/saturation`` per sample, in each sample's order."""
         _require_2d(batch, "ColorJitter")
+        refuse_bool_images(batch, "ColorJitter", "clamps to the image dtype's value range, which bool lacks")
 
         def run(x: torch.Tensor) -> torch.Tensor:
             c = x.shape[-3]

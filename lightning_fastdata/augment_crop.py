@@ -7,6 +7,7 @@ to every image and mask field of the batch; ``other`` fields pass through.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -175,6 +176,8 @@ class RandomCrop(BatchTransform):
                  pad_if_needed: bool = False) -> None:
         self.size = spatial_arg(size, "size", lowest=1)
         self.padding = spatial_arg(padding, "padding")
+        if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
+            raise TypeError(f"RandomCrop fill must be a number, got {fill!r}")
         self.fill = fill
         self.pad_if_needed = bool(pad_if_needed)
 

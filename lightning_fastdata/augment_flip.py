@@ -17,6 +17,7 @@ from lightning_fastdata.augment_base import (
     BatchTransform,
     bcast,
     host_shortcuts,
+    int_seq,
     keep_format,
     probability,
     replace_rows,
@@ -25,7 +26,7 @@ from lightning_fastdata.augment_crop import flip_window, mirror_last_
 
 
 def _spatial_dims_arg(dims: int | Sequence[int], name: str, op: str) -> tuple[int, ...]:
-    out = (dims,) if isinstance(dims, int) else tuple(int(d) for d in dims)
+    out = int_seq(dims, f"{op} {name}", "spatial axes among -3 (D), -2 (H), -1 (W)")
     if not out or len(set(out)) != len(out) or not all(d in (-3, -2, -1) for d in out):
         raise ValueError(f"{op} {name} must be distinct spatial axes among -3 (D), -2 (H), -1 (W), got {dims!r}")
     return out

@@ -20,13 +20,17 @@ from lightning_fastdata._pool import default_threads, map_runs
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
+    chunk_rows,
     chunked,
     compute_dtype,
     const,
     fill_values,
     float_range,
+    float_seq,
     host_shortcuts,
+    int_seq,
     keep_format,
+    refuse_bool_images,
     spatial_arg,
     to_input_dtype,
 )
@@ -288,6 +292,7 @@ class RandomResizedCrop(BatchTransform):
         following horizontal flip this way: on the CPU each thread mirrors its own crops as
         it writes them, elsewhere the new crops are mirrored in place)."""
         _require_2d(batch, "RandomResizedCrop")
+        refuse_bool_images(batch, "RandomResizedCrop", "resamples pixel values into the image's dtype")
         if batch.ragged:
             return self._apply_list(batch, top, left, height, width, flip)
 
@@ -462,16 +467,43 @@ def _affine_image(x: torch.Tensor, matrix: torch.Tensor, sd: int, interpolation:
     return keep_format(to_input_dtype(img_s, x).view(x.shape), x)
 
 
-def _affine_mask(x: torch.Tensor, matrix: torch.Tensor, sd: int) -> torch.Tensor:
-    """Nearest-neighbour resampling of a mask (any dtype), 0 outside the input."""
+#: A float32 map of pixel indices is exact below 2**24 pixels per sample; larger samples
+#: sample two maps (the index's high and low part) with the same grid.
+_EXACT_FLOAT32 = 1 << 24
+_LOW_BITS = 12
+
+#: Unsigned dtypes gathered through their signed twin (same bits; masked_fill lacks them).
+_SAME_BITS = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def _affine_mask(x: torch.Tensor, matrix: torch.Tensor, sd: int, dt: torch.dtype) -> torch.Tensor:
+    """Nearest-neighbour resampling of a mask (any dtype), 0 outside the input, on the grid an
+    image field gets: the grid in ``dt`` (the image's compute dtype) from the same matrices.
+
+    The labels are not resampled as floats (each dtype would need its own grid dtype, and a
+    pick near a pixel boundary could then differ from the image's): a map of pixel indices
+    (+1, so that 0 marks the outside) is sampled with the image's grid and the labels are
+    gathered by index, exactly, for every dtype.
+    """
     n, spatial = x.shape[0], tuple(x.shape[-sd:])
-    flat = x.reshape(n, -1, *spatial)
-    # float64 holds every int32 label exactly (float32 would round labels above 2**24).
-    dt = torch.float32 if x.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16) \
-        else torch.float64
-    grid = _affine_grid(matrix, spatial, torch.float32 if dt == torch.float32 else torch.float64)
-    out = F.grid_sample(flat.to(dt), grid, mode="nearest", padding_mode="zeros", align_corners=False)
-    return keep_format(out.to(x.dtype).view(x.shape), x)
+    pixels = math.prod(spatial)
+    dev = x.device
+    grid = _affine_grid(matrix, spatial, dt)
+    index = torch.arange(1, pixels + 1, device=dev)
+    if dt == torch.float32 and pixels >= _EXACT_FLOAT32:
+        parts = torch.stack([index >> _LOW_BITS, index & ((1 << _LOW_BITS) - 1)])
+    else:
+        parts = index.view(1, -1)
+    source = parts.to(dt).view(1, -1, *spatial).expand(n, -1, *spatial)
+    picked = F.grid_sample(source, grid, mode="nearest", padding_mode="zeros", align_corners=False).long()
+    if picked.shape[1] == 2:
+        picked = (picked[:, 0] << _LOW_BITS) | picked[:, 1]
+    picked = picked.reshape(n, 1, -1)  # 1 + the source pixel, 0 outside
+    flat = x.reshape(n, -1, pixels)
+    flat = flat.view(_SAME_BITS.get(x.dtype, x.dtype))
+    out = flat.gather(2, (picked - 1).clamp_(min=0).expand(-1, flat.shape[1], -1))
+    out = out.masked_fill_(picked == 0, 0).view(x.dtype)
+    return keep_format(out.view(x.shape), x)
 
 
 _INTERPOLATIONS = ("nearest", "bilinear")
@@ -506,7 +538,7 @@ class RandomAffine(BatchTransform):
                  center: Sequence[float] | None = None, axes: Sequence[int] = (-3,)) -> None:
         self.degrees = float_range(degrees, "degrees")
         if translate is not None:
-            translate = tuple(float(t) for t in translate)
+            translate = float_seq(translate, "translate", "(fx, fy) or (fx, fy, fz), fractions in [0, 1]")
             if len(translate) not in (2, 3) or not all(0.0 <= t <= 1.0 for t in translate):
                 raise ValueError(f"translate must be (fx, fy) or (fx, fy, fz) with values in [0, 1], got {translate!r}")
         self.translate = translate
@@ -519,7 +551,7 @@ class RandomAffine(BatchTransform):
             if isinstance(shear, (int, float)):
                 shear = float_range(shear, "shear")
             else:
-                vals = tuple(float(s) for s in shear)
+                vals = float_seq(shear, "shear", "a number, or 2 or 4 numbers")
                 if len(vals) not in (2, 4):
                     raise ValueError(f"shear must be a number, or 2 or 4 numbers, got {shear!r}")
                 float_range(vals[:2], "shear (x)")
@@ -532,11 +564,11 @@ class RandomAffine(BatchTransform):
         self.interpolation = interpolation
         self.fill = fill_values(fill, "fill")
         if center is not None:
-            center = tuple(float(c) for c in center)
+            center = float_seq(center, "center", "a pair (x, y)")
             if len(center) != 2:
                 raise ValueError(f"center must be a pair (x, y), got {center!r}")
         self.center = center
-        axes = tuple(int(a) for a in axes)
+        axes = int_seq(axes, "axes", "spatial axes among -3 (D), -2 (H), -1 (W)")
         if not axes or len(set(axes)) != len(axes) or not all(a in _PLANES for a in axes):
             raise ValueError(f"axes must be distinct spatial axes among -3 (D), -2 (H), -1 (W), got {axes!r}")
         self.axes = axes
@@ -606,14 +638,25 @@ class RandomAffine(BatchTransform):
 
     def apply_batch(self, batch: Batch, **params: torch.Tensor) -> Batch:
         """``F.affine`` of each sample with its own parameters, all at once."""
+        refuse_bool_images(batch, type(self).__name__, "resamples pixel values into the image's dtype")
         m = self.matrix(batch, **params)
         sd = batch.spatial_dims
+        # Masks get the first image field's grid: its dtype and its CPU chunks (the grid of a
+        # chunk is computed from that chunk's matrices), so a mask equal to a function of the
+        # image stays that function of it, pixel for pixel.
+        images = batch.names("image")
+        first = batch.fields[images[0]] if images else None
+        grid_dt = torch.float32 if first is None else compute_dtype(first)
 
         def image(x: torch.Tensor) -> torch.Tensor:
             fn = lambda xs, ms: _affine_image(xs, ms, sd, self.interpolation, self.fill)  # noqa: E731
             return keep_format(chunked(fn, x, m), x)
 
-        return batch.map(image=image, mask=lambda x: _affine_mask(x, m, sd))
+        def mask(x: torch.Tensor) -> torch.Tensor:
+            fn = lambda xs, ms: _affine_mask(xs, ms, sd, grid_dt)  # noqa: E731
+            return keep_format(chunked(fn, x, m, rows=chunk_rows(first if first is not None else x)), x)
+
+        return batch.map(image=image, mask=mask)
 
 
 class RandomRotation(RandomAffine):

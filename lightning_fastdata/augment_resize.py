@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from lightning_fastdata._pool import default_threads, map_runs
-from lightning_fastdata.augment_base import Batch, BatchTransform, host_shortcuts, keep_format, spatial_arg
+from lightning_fastdata.augment_base import (
+    Batch,
+    BatchTransform,
+    host_shortcuts,
+    keep_format,
+    refuse_bool_images,
+    spatial_arg,
+)
 from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter
 from lightning_fastdata.augment_resample import interpolate_image, nearest_resize, resize_window
 
@@ -73,6 +80,7 @@ class Resize(BatchTransform):
     def apply_batch(self, batch: Batch) -> Batch:
         """Resize every image (bilinear) and mask (nearest) field."""
         _require_2d(batch, "Resize")
+        refuse_bool_images(batch, "Resize", "resamples pixel values into the image's dtype")
         if batch.ragged:
             return self._apply_list(batch)
         size = self.output_size(*batch.spatial_size)
@@ -185,6 +193,7 @@ def resize_center_crop(resize: Resize, crop: CenterCrop, batch: Batch) -> Batch 
     form does not apply (the CPU, a crop larger than a resized sample, masks)."""
     if not batch.ragged or batch.spatial_dims != 2 or host_shortcuts(batch.device) or batch.names("mask"):
         return None
+    refuse_bool_images(batch, "Resize", "resamples pixel values into the image's dtype")
     size = crop.window_size(batch)
     sizes = [resize.output_size(h, w) for h, w in batch.spatial_size]
     if any(c > s for hw in sizes for c, s in zip(size, hw, strict=True)):

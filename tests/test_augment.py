@@ -257,9 +257,24 @@ def test_ops_without_a_list_form_run_per_sample_with_the_sample_keys(op, monkeyp
     for i, x in enumerate(xs):
         alone = op(x[None], k.take(torch.tensor([i])))
         assert torch.equal(out[i], alone[0]), i
-    if not isinstance(op, A.RandomApply):  # its apply draws the inner ops from the keys too
-        again = op.apply(A.Batch({"image": xs}, keys=k), **op.draw(xs, k))
-        assert all(torch.equal(a, b) for a, b in zip(again.fields["image"], out, strict=True))
+    again = op.apply(A.Batch({"image": xs}, keys=k), **op.draw(xs, k))
+    assert all(torch.equal(a, b) for a, b in zip(again.fields["image"], out, strict=True))
+
+
+@pytest.mark.parametrize("op", [A.GaussianNoise(sigma=0.2), A.RandomErasing(p=1.0, value="random"),
+                                A.RandomErasing(p=1.0, value=0.5)], ids=_name)
+@pytest.mark.filterwarnings("ignore:.*runs once per sample")
+def test_draw_then_apply_on_a_list_of_images_with_per_field_noise(op):
+    """Parameters that hold one noise tensor per image field (a dict) work on lists of images
+    of varying sizes: draw keeps each sample's noise (its own size), apply uses it."""
+    xs = ragged(dtype=torch.float32)
+    k = keys(len(xs), seed=6)
+    out = op(xs, k)
+    params = op.draw(xs, k)
+    again = op.apply(xs, **params)
+    assert isinstance(again, list) and all(torch.equal(a, b) for a, b in zip(again, out, strict=True))
+    batch = A.Batch({"image": xs, "mask": ragged_masks()}, {"image": "image", "mask": "mask"}, k)
+    assert all(torch.equal(a, b) for a, b in zip(op.apply(batch, **op.draw(batch)).fields["image"], out, strict=True))
 
 
 def test_compose_fixes_the_size_then_runs_batched():
@@ -310,6 +325,18 @@ def test_compose_applies_plain_callables_to_image_fields():
     assert torch.equal(out.fields["image"], x * 2) and out.fields["mask"] is mask
 
 
+def test_compose_applies_plain_callables_to_each_image_of_a_list():
+    xs, k = ragged(), keys(6, seed=3)
+    out = A.Compose([lambda t: t.float() / 255, A.RandomResizedCrop(8)])(xs, k)
+    assert out.shape == (6, 3, 8, 8) and out.dtype == torch.float32
+    assert torch.equal(out, A.RandomResizedCrop(8)([x.float() / 255 for x in xs], k.child(1)))
+    ms = ragged_masks()
+    batch = A.Batch({"image": xs, "mask": ms}, {"image": "image", "mask": "mask"}, k)
+    out = A.Compose([lambda t: t[:1]])(batch)
+    assert [tuple(x.shape) for x in out.fields["image"]] == [(1, *x.shape[1:]) for x in xs]
+    assert out.fields["mask"] is batch.fields["mask"]
+
+
 @pytest.mark.usefixtures("both_paths")
 def test_random_apply_rate_and_untouched_samples():
     n = 10_000
@@ -338,6 +365,50 @@ def test_random_apply_chosen_samples_get_their_own_parameters():
         assert torch.equal(out.fields[name], ref)
 
 
+def _composites():
+    return [
+        A.RandomApply([A.RandomFlip((-2, -1)), A.ColorJitter(0.5, 0.5)], p=0.5),
+        A.RandomApply([A.RandomAffine(30), A.GaussianNoise(clip=False)], p=1.0),
+        A.Compose([A.RandomCrop(12), A.RandomHorizontalFlip(), A.ColorJitter(0.3, 0.3)]),
+        A.Compose([A.RandomResizedCrop(10), A.RandomHorizontalFlip(), A.RandomScaleIntensity(0.2),
+                   A.RandomShiftIntensity(0.2)]),
+        A.Compose([A.Resize(14), A.CenterCrop(12), A.RandomApply([A.RandomErasing(p=1.0)], p=0.5)]),
+    ]
+
+
+def _same(a, b) -> bool:
+    """Equal batch tensors, or equal lists of tensors."""
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and all(
+            torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", _composites(), ids=_name)
+@pytest.mark.parametrize("as_list", [False, True], ids=["tensor", "list"])
+@pytest.mark.usefixtures("both_paths")
+@pytest.mark.filterwarnings("ignore:.*runs once per sample")
+def test_draw_then_apply_equals_the_op_for_ops_that_run_ops(op, as_list):
+    """op(x, keys) == op.apply(x, **op.draw(x, keys)) for Compose and RandomApply too: their draw
+    gives the keys the inner ops draw from (and RandomApply's coins)."""
+    xs = ragged(dtype=torch.float32) if as_list else images(6, dtype=torch.float32)
+    k = SampleKeys(123, 4, torch.arange(100, 100 + len(xs)))
+    direct = op(xs, k)
+    params = op.draw(xs, k)
+    assert _same(op.apply(xs, **params), direct)
+    # the keys in the parameters decide, not the batch's
+    assert _same(op.apply(A.Batch({"image": xs}, keys=keys(len(xs))), **params).fields["image"], direct)
+    with pytest.raises(ValueError, match="keys of 3 samples for a batch of"):
+        op.apply(xs, **{**params, "keys": keys(3)})
+
+
+def test_random_apply_keeps_channels_last_3d():
+    x = torch.rand(4, 2, 4, 5, 6).contiguous(memory_format=torch.channels_last_3d)
+    out = A.RandomApply([A.RandomFlip((-3, -1))], p=0.5)(x, keys(4, seed=1))
+    assert out.is_contiguous(memory_format=torch.channels_last_3d)
+    assert torch.equal(out, A.RandomApply([A.RandomFlip((-3, -1))], p=0.5)(x.contiguous(), keys(4, seed=1)))
+
+
 def test_random_apply_refuses_shape_changes():
     with pytest.raises(ValueError, match="shape- and dtype-preserving"):
         A.RandomApply([A.RandomResizedCrop(4)], p=1.0)(torch.rand(2, 3, 8, 8))
@@ -360,10 +431,55 @@ def test_random_apply_refuses_shape_changes():
     (lambda: A.RandomApply([A.GaussianNoise()], p=-0.1), "p"),
     (lambda: A.RandomScaleIntensity(0.1, p=3), "p"),
     (lambda: A.Compose([A.GaussianNoise(), 3]), "item 1"),
+    # strings, fractions and single numbers where ints or sequences go: named, with the value
+    (lambda: A.RandomCrop("32"), "size must be .*got '32'"),
+    (lambda: A.RandomCrop(32.5), "size must be .*got 32.5"),
+    (lambda: A.RandomCrop((8, "8")), r"size must be .*got \(8, '8'\)"),
+    (lambda: A.RandomCrop(8, padding="2"), "padding must be .*got '2'"),
+    (lambda: A.RandomCrop(8, fill="0"), "fill must be a number, got '0'"),
+    (lambda: A.CenterCrop("16"), "size must be .*got '16'"),
+    (lambda: A.Resize(7.5), "size must be .*got 7.5"),
+    (lambda: A.RandomResizedCrop("24"), "size must be .*got '24'"),
+    (lambda: A.RandomCropByLabel("4"), "size must be .*got '4'"),
+    (lambda: A.RandomResizedCrop(8, scale="01"), "scale must be .*got '01'"),
+    (lambda: A.RandomAffine(10, translate=0.1), "translate must be .*got 0.1"),
+    (lambda: A.RandomAffine(10, translate="0.1"), "translate must be .*got '0.1'"),
+    (lambda: A.RandomAffine(10, center=5), "center must be .*got 5"),
+    (lambda: A.RandomAffine(10, shear="12"), "shear must be .*got '12'"),
+    (lambda: A.RandomAffine(10, axes="-3"), "axes must be .*got '-3'"),
+    (lambda: A.RandomAffine("10"), "degrees must be .*got '10'"),
+    (lambda: A.Normalize(0.5, 0.2), "mean must be .*got 0.5"),
+    (lambda: A.Normalize([0.5], 0.2), "std must be .*got 0.2"),
+    (lambda: A.RandomFlip("12"), "dims must be .*got '12'"),
+    (lambda: A.RandomRot90((-2, -1.5)), r"dims must be .*got \(-2, -1.5\)"),
+    (lambda: A.RandomErasing(value=[0.5, "1"]), "value must be .*got"),
+    (lambda: A.ColorJitter(brightness="0.5"), "brightness must be .*got '0.5'"),
 ])
 def test_bad_arguments_name_the_parameter(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+def test_integral_floats_are_ints_and_ints_are_single_axes():
+    """Configs may give 32.0 for 32; a single axis may be given as an int."""
+    assert A.RandomCrop(32.0).size == (32,) and A.CenterCrop((16.0, 8)).size == (16, 8)
+    assert A.RandomAffine(10, axes=-2).axes == (-2,) and A.RandomFlip(-2).dims == (-2,)
+    assert A.Normalize((0.5, 0.4), [1, 2]).mean == [0.5, 0.4]
+
+
+@pytest.mark.parametrize("op", [A.ToDtype("float32"), A.Normalize([0.5] * 3, [0.2] * 3), A.RandomResizedCrop(8),
+                                A.RandomAffine(10, interpolation="bilinear"), A.RandomAffine(10), A.RandomRotation(10),
+                                A.Resize(8), A.Resize((8, 6)), A.ColorJitter(0.5, 0.5)], ids=_name)
+@pytest.mark.parametrize("as_list", [False, True], ids=["tensor", "list"])
+@pytest.mark.filterwarnings("ignore:.*runs once per sample")
+def test_bool_images_are_refused_with_what_to_do(op, as_list):
+    """A bool image has no value range to scale or resample into: a ValueError names the op,
+    the field and the dtype, and says to mark it a mask or convert it (not a bare KeyError)."""
+    x = torch.rand(2, 3, 10, 10, generator=torch.Generator().manual_seed(0)) > 0.5
+    batch = A.Batch({"seg": list(x) if as_list else x}, {"seg": "image"})
+    with pytest.raises(ValueError, match=rf"{_name(op)}: image field 'seg' is torch.bool.*'mask'.*ToDtype"):
+        op(batch)
+    assert A.ToDtype("float32", scale=False)(x).dtype == torch.float32  # the suggested conversion works
 
 
 def test_ops_build_from_a_lightning_cli_config():

@@ -126,6 +126,42 @@ def test_affine_masks_are_nearest_with_zero_outside_as_torchvision(op):
         assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
 
 
+@pytest.mark.parametrize("image_dtype, mask_dtype, spatial", [
+    (torch.uint8, torch.int64, (96, 96)), (torch.float64, torch.uint8, (96, 96)), (torch.uint8, torch.int32, (96, 96)),
+    (torch.float32, torch.int16, (96, 96)), (torch.uint8, torch.int64, (24, 24, 24)),
+    (torch.float64, torch.uint8, (24, 24, 24))], ids=str)
+def test_affine_masks_take_the_image_grid_whatever_the_dtypes(image_dtype, mask_dtype, spatial):
+    """A mask equal to the image (values 0..255) is still equal to it after a rotation, for
+    every pair of dtypes: the mask is resampled on the image field's grid (its dtype, its CPU
+    chunks), so no pick near a pixel boundary comes from the neighbour pixel. 64 x 96^2 is
+    more than one CPU chunk of the image."""
+    n = 64 if len(spatial) == 2 else 16
+    img = torch.randint(0, 256, (n, 1, *spatial), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    batch = A.Batch({"image": img.to(image_dtype), "mask": img[:, 0].to(mask_dtype)},
+                    {"image": "image", "mask": "mask"}, keys(n))
+    op = A.RandomRotation(180) if len(spatial) == 2 else A.RandomAffine(180, scale=(0.7, 1.3), axes=(-3, -2, -1))
+    out = op(batch)
+    assert out.fields["mask"].dtype == mask_dtype
+    assert torch.equal(out.fields["mask"].long(), out.fields["image"][:, 0].long())
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.uint16, torch.int64, torch.float16])
+def test_affine_masks_keep_every_label_exactly(dtype, monkeypatch):
+    """Labels are gathered, not interpolated: extreme values of every dtype survive, 0 fills the
+    outside; samples of 2**24 pixels or more (two index maps) pick the same pixels."""
+    from lightning_fastdata import augment_resample
+
+    top = {torch.bool: True, torch.uint8: 255, torch.uint16: 65535, torch.int64: 2**62 + 1, torch.float16: 65504.0}
+    mask = torch.full((3, 20, 24), top[dtype], dtype=dtype)
+    mask[:, ::3] = 0 if dtype == torch.bool else 1
+    batch = A.Batch({"image": images(3), "mask": mask}, {"image": "image", "mask": "mask"}, keys(3, seed=2))
+    op = A.RandomAffine(40, translate=(0.2, 0.2), scale=(0.7, 1.2))
+    out = op(batch).fields["mask"]
+    assert out.dtype == dtype and set(out.unique().tolist()) == set(mask.unique().tolist()) | {0}
+    monkeypatch.setattr(augment_resample, "_EXACT_FLOAT32", 16)
+    assert torch.equal(op(batch).fields["mask"], out)
+
+
 @pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
 def test_random_rotation_equals_torchvision(interpolation):
     x = images(4, dtype=torch.float32)
