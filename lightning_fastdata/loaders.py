@@ -338,9 +338,12 @@ class _Loader:
         state = {"mode": "global", **state}
         for key, value in mine.items():
             if key in state and state[key] != value:
+                why = ("; in block mode the sample order follows the chunk size, which the plan takes from this "
+                       "machine's free host memory: resume where as much memory is free, or restart the epoch "
+                       "(load the checkpoint's weights without its loop state)") if key == "chunk_rows" else ""
                 raise ValueError(
                     f"cannot resume this loader: checkpoint has {key}={state[key]!r}, the loader has "
-                    f"{key}={value!r}; resume with the configuration the checkpoint was made with"
+                    f"{key}={value!r}; resume with the configuration the checkpoint was made with{why}"
                 )
         self.order.set_epoch(int(state["epoch"]))
         self._resume = (int(state["epoch"]), int(state["batch"]))
