@@ -181,7 +181,8 @@ class OptimizedDataModule(L.LightningDataModule):
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be an int > 0, got {batch_size!r}")
-        if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size <= 0):
+        if eval_batch_size is not None and (isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int)
+                                            or eval_batch_size <= 0):
             raise ValueError(f"eval_batch_size must be an int > 0 or None, got {eval_batch_size!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -256,6 +257,9 @@ class OptimizedDataModule(L.LightningDataModule):
         self.stores: dict[str, Store] = {}
         self.placement: Placement | None = None
         self._raw: dict[str, Any] = {}
+        #: Splits whose stage was torn down: their stores stay inspectable, but the next setup
+        #: opens them again (the data may have changed since: a fingerprint decides reuse).
+        self._stale: set[str] = set()
         self._loaders: dict[str, Any] = {}
         self._restored_plan: dict[str, Any] | None = None
         # dm.hparams shows the whole configuration (the subclass's arguments included);
@@ -357,6 +361,12 @@ class OptimizedDataModule(L.LightningDataModule):
         Splits whose samples cannot be stored are loaded per sample (see ``store``).
         """
         for split, src in self._sources(splits).items():
+            if split in self._stale:
+                self._stale.discard(split)
+                old = self.stores.pop(split, None)
+                if old is not None:
+                    old.close()
+                self._raw.pop(split, None)
             if split in self.stores or split in self._raw:
                 continue
             store = self._open(split, src)
@@ -485,6 +495,7 @@ class OptimizedDataModule(L.LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         """Release device copies, shared memory and loaders of the stage's splits."""
         for split in _STAGE_SPLITS.get(stage or "fit", ()):
+            self._stale.add(split)
             loader = self._loaders.pop(split, None)
             if hasattr(loader, "close"):
                 loader.close()  # persistent workers must not outlive the stage

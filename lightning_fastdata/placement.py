@@ -737,6 +737,13 @@ def place(stores: Mapping[str, Store], plan: Plan, device: torch.device | str, c
         plan.chunk_bytes = chunk_bytes
         if plan.strategy == "chunked":
             plan.reasons["chunk_bytes"] = f"{fmt_bytes(chunk_bytes)} per buffer: the smallest over ranks"
+    # The chunk mode decides how samples are dealt to ranks (block: contiguous shards,
+    # global: strided): every rank must use the same, or samples overlap and go missing.
+    block = D.all_reduce_max(1.0 if plan.chunk_mode == "block" else 0.0) > 0
+    if block != (plan.chunk_mode == "block"):
+        plan.chunk_mode = "block" if block else "global"
+        if plan.strategy == "chunked":
+            plan.reasons["chunk_mode"] = f"{plan.chunk_mode}: another rank's store does not fit its free host memory"
     if level < LEVELS[plan.strategy]:
         plan = fall_back(plan, _NAMES[level], "another rank planned a lower level", config)
     hosts = {split: HostSource(list(store.fields)) for split, store in stores.items()}
@@ -766,8 +773,15 @@ def place(stores: Mapping[str, Store], plan: Plan, device: torch.device | str, c
         plan = fall_back(plan, _NAMES[agreed], failure, config)
         level = agreed
     out = Placement(plan, sources)
-    # Host memory is shared once the level is known: only host-reading levels need it.
-    segments = _share(stores, plan, sharing)
+    # Host memory is shared once the level is known, and only for the splits read from host
+    # memory: a device source holds its own copy, a segment beside it would only take RAM.
+    # Every rank placed the same level, so every rank takes part in the same sharing.
+    host_read = {s: st for s, st in stores.items() if isinstance(sources.get(s), (ChunkedSource, HostSource))}
+    if not host_read and sharing.mode == "on":
+        plan.reasons["shared_memory"] = (f"on, but nothing to share: strategy {plan.strategy!r} holds every "
+                                         "store on the device, read from the disk cache once")
+        return out
+    segments = _share(host_read, plan, sharing)
     for split, seg in segments.items():
         shared = HostSource(seg.arrays(), seg)
         out.segments[split] = seg

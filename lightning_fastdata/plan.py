@@ -120,12 +120,19 @@ class PlanError(ValueError):
 
 def _budget(resources: Resources, vram_fraction: float) -> tuple[int, str]:
     """Bytes of the device the store may take: the fraction of total, bounded by free less a margin."""
-    by_fraction = int(vram_fraction * resources.device_total)
-    margin = VRAM_MARGIN_BYTES if resources.device_type == "cuda" else 0
-    by_free = max(0, resources.device_free - margin)
-    what = "VRAM" if resources.device_type == "cuda" else "RAM"
-    why = (f"{vram_fraction:.0%} of {fmt_bytes(resources.device_total)} {what} = {fmt_bytes(by_fraction)}, "
-           f"free {fmt_bytes(resources.device_free)}" + (f" less a {fmt_bytes(margin)} margin" if margin else ""))
+    cuda = resources.device_type == "cuda"
+    # On the CPU every local rank keeps its own copy of a device-placed store in the node's
+    # one RAM: each gets its share. A GPU is one per rank.
+    ranks = 1 if cuda else max(1, resources.local_world_size)
+    by_fraction = int(vram_fraction * resources.device_total) // ranks
+    margin = VRAM_MARGIN_BYTES if cuda else 0
+    by_free = max(0, resources.device_free - margin) // ranks
+    what = "VRAM" if cuda else "RAM"
+    why = (f"{vram_fraction * 100:g}% of {fmt_bytes(resources.device_total)} {what}"
+           + (f" / {ranks} local ranks (each keeps its own copy)" if ranks > 1 else "")
+           + f" = {fmt_bytes(by_fraction)}, free {fmt_bytes(resources.device_free)}"
+           + (f" less a {fmt_bytes(margin)} margin" if margin else "")
+           + (f" / {ranks} ranks = {fmt_bytes(by_free)}" if ranks > 1 else ""))
     return min(by_fraction, by_free), why
 
 
@@ -314,6 +321,15 @@ def _auto_workers(r: Resources, batch_nbytes: int | None, prefetch: int) -> tupl
     return n, why
 
 
+def _memory_cap(r: Resources, batch_nbytes: int | None, prefetch: int) -> int:
+    """Workers per rank that RAM and /dev/shm afford at ``prefetch`` batches in flight each (cores aside)."""
+    ranks = max(1, r.local_world_size)
+    batch = batch_nbytes if batch_nbytes else UNKNOWN_BATCH_BYTES
+    by_ram = int(WORKER_RAM_SHARE * r.ram_available / ranks) // (WORKER_RAM_BYTES + prefetch * batch)
+    by_shm = (r.shm_free // ranks) // (SHM_SLACK * prefetch * batch)
+    return min(by_ram, by_shm)
+
+
 def _measure_candidates(best_guess: int) -> list[int]:
     """Worker counts worth timing: none, one, half and all of the auto value (never more)."""
     return sorted({0, min(1, best_guess), best_guess // 2, best_guess})
@@ -332,10 +348,11 @@ def loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
     plan.num_workers_candidates = []
     one_in_flight = False  # the worker count is affordable only with one batch in flight each
     if plan.strategy != "workers":
-        plan.num_workers = 0 if nw in ("auto", "measure") else int(nw)
+        # The device and chunked loaders have no worker processes: a configured count is unused.
+        plan.num_workers = 0
         plan.reasons["num_workers"] = (
             f"0: strategy {plan.strategy!r} gathers batches in the main process, no workers to feed"
-            if nw in ("auto", "measure") else f"{plan.num_workers}: set by configuration")
+            + ("" if nw in ("auto", "measure") else f" (the configured {nw} has no effect)"))
     else:
         prefetch = 2 if pf == "auto" else int(pf)
         auto, why = _auto_workers(r, batch_nbytes, prefetch)
@@ -357,11 +374,18 @@ def loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
             plan.num_workers = int(nw)
             plan.reasons["num_workers"] = (f"{plan.num_workers}: set by configuration" +
                                            (f" (auto would pick {auto}: {why})" if auto != plan.num_workers else ""))
+            # The batches in flight are sized for this count, not for the auto one.
+            one_in_flight = (pf == "auto" and plan.num_workers > _memory_cap(r, batch_nbytes, 2)
+                             and plan.num_workers <= _memory_cap(r, batch_nbytes, 1))
 
     pm = config.get("pin_memory", "auto")
     cuda = r.device_type == "cuda"
     copies = cuda and plan.strategy in ("workers", "chunked")
-    if pm != "auto":
+    if pm is True and plan.strategy == "device":
+        plan.pin_memory = False
+        plan.reasons["pin_memory"] = ("False: the store lives on the device, batches never cross the "
+                                      "host-to-device link (the configured True has no effect)")
+    elif pm != "auto":
         plan.pin_memory = bool(pm)
         plan.reasons["pin_memory"] = f"{plan.pin_memory}: set by configuration"
     else:

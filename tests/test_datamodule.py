@@ -64,6 +64,7 @@ def test_cache_key_and_loader_settings(cache_dir):
     (dict(vram_fraction=0.0), "vram_fraction must be in \\(0, 1\\], got 0.0"),
     (dict(vram_fraction=1.5), "vram_fraction must be in \\(0, 1\\], got 1.5"),
     (dict(batch_size=-1), "batch_size must be an int > 0, got -1"),
+    (dict(eval_batch_size=True), "eval_batch_size must be an int > 0 or None, got True"),
     (dict(strategy="gpu"), "strategy must be one of"),
     (dict(num_workers=-2), "num_workers must be 'auto', 'measure' or an int >= 0, got -2"),
     (dict(shared_memory="yes"), "shared_memory"),
@@ -173,6 +174,18 @@ def test_a_fit_that_fails_leaves_no_loader_threads_or_workers(tmp_path, strategy
     assert names == []
     children = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not children or all(not psutil.pid_exists(p) for p in children)
+
+
+def test_a_data_module_fitted_again_after_teardown_sees_its_data_as_it_is_now(tmp_path):
+    # Active learning: fit, the source grows, fit the same module again. The second setup
+    # must not serve the first fit's store (its fingerprint no longer matches the data).
+    dm = TinyDataModule(n=64, batch_size=16, cache_dir=str(tmp_path / "c"), device="cpu", val=False)
+    trainer(tmp_path, max_epochs=1).fit(TinyModel(), dm)
+    assert len(dm.stores["train"]) == 64  # still inspectable after the fit
+    dm.n = 128
+    model = TinyModel(record=True)
+    trainer(tmp_path, max_epochs=1).fit(model, dm)
+    assert len(dm.stores["train"]) == 128 and len(model.seen) == 8
 
 
 def test_unstorable_samples_fall_back_to_per_sample_workers(cache_dir):

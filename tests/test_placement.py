@@ -98,3 +98,30 @@ def test_placing_a_ragged_store_counts_its_bytes_and_falls_back_on_oom():
     with inject_faults(oom_at=2), warnings.catch_warnings(record=True):  # the fixed field after the ragged one
         placement = place({"train": store}, plan, "cpu", config, {"train": 10})
     assert placement.plan.strategy == "chunked" and isinstance(placement.sources["train"], ChunkedSource)
+
+
+def test_ranks_agree_on_the_chunk_mode_so_their_shards_stay_disjoint(monkeypatch):
+    # Each rank picks block or global from its own free RAM; block deals contiguous shards,
+    # global strided ones. A rank that planned global must follow one that planned block.
+    import lightning_fastdata.distributed as D
+    from lightning_fastdata.placement import place
+    from lightning_fastdata.plan import Resources, decide
+
+    store = Store.from_arrays({"x": np.zeros((64, 3, 8, 8), np.uint8), "y": np.arange(64)})
+    res = Resources(device_type="cpu", device_total=1 << 30, device_free=1 << 30, ram_total=1 << 30,
+                    ram_available=1 << 30, physical_cores=2, logical_cores=2, shm_free=1 << 30)
+    config = {"strategy": "chunked", "batch_nbytes": 8 * 200}
+    plan = decide(store.nbytes, res, config)
+    assert plan.strategy == "chunked" and plan.chunk_mode == "global"
+    calls = []
+
+    def other_rank_planned_block(value: float) -> float:
+        calls.append(value)
+        return 1.0 if len(calls) == 1 else value  # the chunk-mode vote; later votes as this rank's
+
+    monkeypatch.setattr(D, "all_reduce_max", other_rank_planned_block)
+    placement = place({"train": store}, plan, "cpu", config, {"train": 8})
+    assert calls[0] == 0.0 and placement.plan.chunk_mode == "block" and not placement.segments
+    assert "another rank" in placement.plan.reasons["chunk_mode"]
+    for source in placement.sources.values():
+        source.close()

@@ -131,3 +131,45 @@ def test_datamodule_plan_uses_the_probe_and_prints_reasons_with_sizes(cache_dir,
     else:
         assert {s: type(src).__name__ for s, src in dm.placement.sources.items()} == {
             "train": "DeviceSource", "val": "DeviceSource"}
+
+
+def cpu(ram: int = 64 * GB, ranks: int = 1, cores: int = 16, shm: int = 64 * GB) -> Resources:
+    """A CPU rank on a node with ``ram`` bytes of RAM shared by ``ranks`` local ranks."""
+    return Resources(cores, 2 * cores, ram, ram, "cpu", ram, ram, shm, ranks)
+
+
+def test_cpu_ranks_each_keep_a_copy_so_each_gets_its_share_of_the_budget():
+    store = 20 * GB
+    one, four = decide(store, cpu(ranks=1), cfg()), decide(store, cpu(ranks=4), cfg())
+    assert one.strategy == "device"  # 20 GB within 60% of 64 GB
+    assert four.strategy != "device"  # four copies of 20 GB do not fit 64 GB
+    assert "/ 4 local ranks (each keeps its own copy)" in four.reasons["strategy"]
+    # A GPU is one per rank: its budget is not divided.
+    assert decide(store, Resources(16, 32, 512 * GB, 512 * GB, "cuda", 80 * GB, 80 * GB, 64 * GB, 4),
+                  cfg()).strategy == "device"
+
+
+@pytest.mark.parametrize("strategy", ["device", "chunked"])
+def test_worker_settings_are_not_reported_in_force_where_no_worker_runs(strategy):
+    store = 20 * GB if strategy == "device" else 60 * GB
+    plan = decide(store, gpu(), cfg(strategy=strategy, num_workers=3, pin_memory=True, persistent_workers=True))
+    assert plan.strategy == strategy
+    assert plan.num_workers == 0 and "(the configured 3 has no effect)" in plan.reasons["num_workers"]
+    assert plan.prefetch_factor is None and plan.persistent_workers is False
+    if strategy == "device":
+        assert plan.pin_memory is False and "no effect" in plan.reasons["pin_memory"]
+    else:  # the chunked staging buffers are pinned
+        assert plan.pin_memory is True
+
+
+def test_a_configured_worker_count_gets_the_prefetch_its_own_count_affords():
+    batch = 256 * 3 * 224 * 224  # 38.5 MB
+    # /dev/shm holds 2 x 2 batches for 4 workers at one batch in flight each: the auto count
+    # (15 workers by cores) needs one in flight, the configured 2 workers afford two.
+    r = cpu(shm=4 * 2 * batch + 1)
+    auto = decide(None, r, cfg(strategy="workers", batch_nbytes=batch))
+    assert auto.prefetch_factor == 1
+    two = decide(None, r, cfg(strategy="workers", num_workers=2, batch_nbytes=batch))
+    assert two.num_workers == 2 and two.prefetch_factor == 2
+    four = decide(None, r, cfg(strategy="workers", num_workers=4, batch_nbytes=batch))
+    assert four.prefetch_factor == 1 and "one batch in flight" in four.reasons["prefetch_factor"]
