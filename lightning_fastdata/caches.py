@@ -94,6 +94,8 @@ class PruneResult:
     cache: CacheInfo
     removed: bool
     reason: str
+    #: Why a removal that was attempted failed (the OSError's text); empty otherwise.
+    error: str = ""
 
 
 def prune_caches(cache_dir: str | os.PathLike, older_than_s: float | None = None, keep_latest: bool = False,
@@ -108,7 +110,8 @@ def prune_caches(cache_dir: str | os.PathLike, older_than_s: float | None = None
         now: The current time (``time.time()``), for tests.
 
     Returns:
-        One result per cache found, removed or kept with the reason.
+        One result per cache found, removed or kept with the reason; a cache whose
+        removal failed is kept, with ``error`` set.
     """
     now = time.time() if now is None else now
     caches = list_caches(cache_dir)
@@ -127,8 +130,12 @@ def prune_caches(cache_dir: str | os.PathLike, older_than_s: float | None = None
             reason = "kept: in use" if c.in_use else "would be removed"
             results.append(PruneResult(c, False, reason))
         else:
-            why = _remove_if_unused(c.path)
-            results.append(PruneResult(c, why is None, why or "removed"))
+            try:
+                why = _remove_if_unused(c.path)
+            except OSError as e:  # it stays: say so, never count it as removed
+                results.append(PruneResult(c, False, f"kept: could not remove it ({e.strerror or e})", str(e)))
+            else:
+                results.append(PruneResult(c, why is None, why or "removed"))
     if not dry_run:
         for d in {Path(cache_dir)} | {c.path.parent for c in caches}:
             S.sweep_temporaries(d)
@@ -136,7 +143,11 @@ def prune_caches(cache_dir: str | os.PathLike, older_than_s: float | None = None
 
 
 def _remove_if_unused(path: Path) -> str | None:
-    """Remove ``path`` unless a process reads or builds it; ``None`` when removed, else why not."""
+    """Remove ``path`` unless a process reads or builds it; ``None`` when removed, else why not.
+
+    Raises:
+        OSError: the cache could not be locked or removed (it is still there).
+    """
     lock = locks.try_lock(S.lock_path(path))
     if lock is None:
         return "kept: in use (being built or validated)"
@@ -144,12 +155,12 @@ def _remove_if_unused(path: Path) -> str | None:
         with locks.exclusive(path / S.READERS) as free:
             if not free:
                 return "kept: in use (a process has it open)"
-            S.remove_cache(path)  # a reader opening it meanwhile finds it gone, and rebuilds
+            error = S.remove_cache(path)  # a reader opening it meanwhile finds it gone, and rebuilds
+            if error is not None:
+                raise error
         with contextlib.suppress(OSError):
             os.unlink(S.lock_path(path))
         return None
-    except OSError as e:
-        return f"kept: {e}"
     finally:
         lock.release()
 

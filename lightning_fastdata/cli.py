@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -139,10 +141,21 @@ class _ToolCLI(LightningCLI):
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.add_lightning_class_args(LightningModule, "model", subclass_mode=True, required=False)
         parser.add_lightning_class_args(OptimizedDataModule, "data", subclass_mode=True)
+        # A fit config (`fastdata fit --print_config`, Lightning's saved config.yaml) has
+        # Trainer.fit's own arguments (ckpt_path, weights_only): accept them, typed as fit
+        # types them, so the same file works here; nothing is fitted, so they do nothing.
+        added = parser.add_method_arguments(self.trainer_class, "fit", skip=self.subcommands()["fit"])
+        for group in parser._action_groups:
+            if any(a.dest in added for a in group._group_actions):
+                group.title = f"Trainer.fit's own arguments, accepted so a fit config works; ignored by {self.tool}"
+                group.description = None
+        for action in parser._actions:
+            if action.dest in added:
+                action.help = f"Ignored by {self.tool} (fit's argument)."
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--json", type=str | None, default=None,
-                            help="Write the report as JSON to this path ('-' for stdout).")
+                            help="Write the report as JSON to this path ('-': stdout, the text then goes to stderr).")
         if self.tool == "bench":
             parser.add_argument("--batches", type=PositiveInt, default=30, help="Batches timed per repeat.")
             parser.add_argument("--warmup", type=NonNegativeInt, default=3, help="Untimed batches before each repeat.")
@@ -182,6 +195,30 @@ def target(trainer_cfg: Any, dm: OptimizedDataModule) -> tuple[torch.device, int
         n = int(devices)
     device = torch.device(dm.device) if dm.device else torch.device("cuda" if cuda else "cpu")
     return device, max(1, n)
+
+
+def check_target(trainer_cfg: Any, dm: OptimizedDataModule, device: torch.device) -> None:
+    """Refuse a CUDA target on a machine without CUDA, naming the setting that asks for it.
+
+    Called before anything is built: planning for CUDA probes the device, which would
+    otherwise fail with torch's RuntimeError after every cache was built. ``fit`` refuses
+    the same config (Lightning: "No supported gpu backend found!").
+
+    Raises:
+        PlanError: ``trainer.accelerator`` or ``data.init_args.device`` asks for CUDA and
+            ``torch.cuda.is_available()`` is False.
+    """
+    if torch.cuda.is_available():
+        return
+    accel = str(getattr(trainer_cfg, "accelerator", "auto") or "auto").lower()
+    if accel in ("gpu", "cuda"):
+        setting = f"trainer.accelerator={accel!r}"
+    elif device.type == "cuda":
+        setting = f"data.init_args.device={dm.device!r}"
+    else:
+        return
+    raise PlanError(f"{setting} asks for CUDA, but CUDA is not available on this machine "
+                    "(torch.cuda.is_available() is False); set it to 'cpu' to plan for the CPU")
 
 
 def plan_for(dm: OptimizedDataModule, device: torch.device, local_world_size: int,
@@ -241,8 +278,12 @@ def describe_stores(dm: OptimizedDataModule) -> list[dict[str, Any]]:
 
 def run_plan(dm: OptimizedDataModule, device: torch.device, local_world_size: int,
              json_path: str | None = None, out: Any = None) -> dict[str, Any]:
-    """``fastdata plan``: print resources, stores and the plan with its reasons; return the report."""
-    out = out or sys.stdout
+    """``fastdata plan``: print resources, stores and the plan with its reasons; return the report.
+
+    The text goes to ``out`` (default stdout, or stderr when ``json_path`` is ``"-"``, so
+    that stdout is the JSON alone).
+    """
+    out = out or _text_stream(json_path)
     plan = plan_for(dm, device, local_world_size)
     stores = describe_stores(dm)
     print("## resources\n" + describe_resources(plan.resources), file=out)
@@ -276,10 +317,12 @@ def run_bench(dm: OptimizedDataModule, device: torch.device, local_world_size: i
     Each strategy runs with the loader parameters its plan gives for ``local_world_size``
     ranks; a timed batch is fetched, moved to ``device`` and augmented with
     ``train_augment``, as in training, without a model. Rates are the median of
-    ``repeats``.
+    ``repeats``. The text goes to ``out`` (default stdout, or stderr when ``json_path``
+    is ``"-"``, so that stdout is the JSON alone).
     """
-    out = out or sys.stdout
-    auto = plan_for(dm, device, local_world_size)
+    out = out or _text_stream(json_path)
+    # What strategy="auto" would pick, whatever the config forces: the advice compares with that.
+    auto = plan_for(dm, device, local_world_size, strategy="auto")
     rows = [bench_strategy(dm, s, device, local_world_size, batches, warmup, repeats, progress) for s in strategies]
     measured = [r for r in rows if r.get("samples_per_s")]
     if not measured:
@@ -299,8 +342,9 @@ def run_bench(dm: OptimizedDataModule, device: torch.device, local_world_size: i
     else:
         ratio = (f", {best['samples_per_s'] / auto_row['samples_per_s']:.2f}x the auto choice "
                  f"'{auto.strategy}'" if auto_row else "")
-        advice = (f"strategy: {best['strategy']} (measured fastest{ratio}{noise}); set "
-                  f"data.init_args.strategy: {best['strategy']} in the config")
+        advice = f"strategy: {best['strategy']} (measured fastest{ratio}{noise}); " + (
+            "the config sets it already" if dm.strategy == best["strategy"]
+            else f"set data.init_args.strategy: {best['strategy']} in the config")
     report = {"device": str(device), "local_world_size": local_world_size, "batch_size": dm.batch_size,
               "batches": batches, "warmup": warmup, "repeats": repeats, "auto_strategy": auto.strategy,
               "recommendation": best["strategy"], "advice": advice, "results": rows,
@@ -354,7 +398,10 @@ def _bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device
         dm.setup("fit")
         loader = dm.train_dataloader()
         for _ in range(repeats):
-            rates.append(time_loader(loader, device, batches=batches, warmup=warmup, consume=consume)[0])
+            try:
+                rates.append(time_loader(loader, device, batches=batches, warmup=warmup, consume=consume)[0])
+            except ValueError as e:  # time_loader's: no batch to time (a split smaller than one batch)
+                return {"strategy": strategy, "feasible": False, "reason": _too_short(dm, loader, e)}
     except (PlanError, RuntimeError) as e:
         return {"strategy": strategy, "feasible": False, "reason": f"{type(e).__name__}: {e}"}
     finally:
@@ -366,6 +413,18 @@ def _bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device
     return {"strategy": strategy, "feasible": True, "samples_per_s": statistics.median(rates),
             "rates": rates, "num_workers": p.num_workers, "pin_memory": p.pin_memory,
             "prefetch_factor": p.prefetch_factor, "reason": plan.reasons.get("strategy", "")}
+
+
+def _too_short(dm: OptimizedDataModule, loader: Any, error: ValueError) -> str:
+    """Why a loader could not be timed: how many batches it has, and from what."""
+    try:
+        n = len(loader)
+    except TypeError:  # an iterable loader has no length: time_loader's message says what it drew
+        return f"the training loader has too few batches to time: {error}"
+    store = dm.stores.get("train")
+    samples = f"{len(store)} samples, " if store is not None else ""
+    return (f"the training loader has {n} batch{'' if n == 1 else 'es'} ({samples}batch_size {dm.batch_size}, "
+            f"drop_last {dm.drop_last}): nothing to time")
 
 
 def _progress(strategy: str, total: int, enabled: bool) -> Any:
@@ -391,12 +450,17 @@ def format_table(rows: list[dict[str, Any]], batch_size: int, device: torch.devi
     return "\n".join(lines)
 
 
+def _text_stream(json_path: str | None) -> Any:
+    """Where the human-readable report goes: stderr when the JSON takes stdout, so a pipe gets JSON only."""
+    return sys.stderr if json_path == "-" else sys.stdout
+
+
 def _write_json(report: dict[str, Any], path: str | None, out: Any) -> None:
     if not path:
         return
     text = json.dumps(report, indent=2, default=str)
     if path == "-":
-        print(text, file=out)
+        print(text, file=sys.stdout, flush=True)
         return
     dest = atomic_write_text(path, text + "\n")  # a reader never sees half a report
     print(f"\nwrote {dest}", file=out)
@@ -407,6 +471,7 @@ def _run_tool(tool: str, args: list[str]) -> None:
     cfg, dm = cli.config, cli.datamodule
     device, ranks = target(cfg.trainer, dm)
     try:
+        check_target(cfg.trainer, dm, device)
         if tool == "plan":
             run_plan(dm, device, ranks, json_path=cfg.json)
         else:
@@ -471,13 +536,36 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
                      for r in [header, *rows])
 
 
+def _missing_dir(cache_dir: str | os.PathLike) -> str:
+    """Why ``cache_dir`` holds no cache to list (it is not a directory we read), or ``""``."""
+    path = Path(cache_dir)
+    if path.is_symlink():
+        return "is a symbolic link, which fastdata does not follow"  # as list_caches refuses it
+    if not path.exists():
+        return "does not exist"
+    if not path.is_dir():
+        return "is not a directory"
+    return ""
+
+
 def run_cache(args: list[str], out: Any = None, now: float | None = None) -> list[Any]:
-    """``fastdata cache list|prune``: print the caches, or prune them; return what was listed or done."""
+    """``fastdata cache list|prune``: print the caches, or prune them; return what was listed or done.
+
+    A cache directory that is not there is said on stderr (a mistyped ``--cache-dir``
+    would otherwise look like an empty one); it is not an error.
+
+    Raises:
+        SystemExit: 1 when ``prune`` failed to remove a cache it meant to remove.
+    """
     out = out or sys.stdout
     ns = _cache_parser().parse_args(args)
     cache_dir = ns.cache_dir or default_cache_dir()
     now = time.time() if now is None else now
     header = ["namespace", "split", "fingerprint", "samples", "size", "created", "last used", "state"]
+    missing = _missing_dir(cache_dir)
+    if missing:
+        print(f"fastdata cache: the cache directory {cache_dir} {missing}"
+              f"{'; nothing to prune' if ns.action == 'prune' else ''}", file=sys.stderr)
     if ns.action == "list":
         caches = list_caches(cache_dir)
         total = sum(c.nbytes for c in caches)
@@ -497,8 +585,14 @@ def run_cache(args: list[str], out: Any = None, now: float | None = None) -> lis
     done = [r for r in results if r.removed or (ns.dry_run and r.reason == "would be removed")]
     freed = sum(r.cache.nbytes for r in done)
     verb = "would free" if ns.dry_run else "freed"
+    failed = [r for r in results if r.error]
     print(f"{verb} {fmt_bytes(freed)}: {len(done)} cache(s) {'to remove' if ns.dry_run else 'removed'}, "
-          f"{len(results) - len(done)} kept, in {cache_dir}", file=out)
+          f"{len(results) - len(done)} kept"
+          f"{f' ({len(failed)} could not be removed)' if failed else ''}, in {cache_dir}", file=out, flush=True)
+    for r in failed:
+        print(f"fastdata cache prune: error: could not remove {r.cache.path}: {r.error}", file=sys.stderr)
+    if failed:
+        raise SystemExit(1)  # a script must not take "kept" for "freed"
     return results
 
 

@@ -522,18 +522,26 @@ def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Pat
     return removed
 
 
-def remove_cache(path: Path) -> None:
+def remove_cache(path: Path) -> OSError | None:
     """Move aside then delete, so a concurrent reader never sees a half-deleted store.
 
     Processes that have the store's files mapped keep reading them: unlinking a file
     does not take its pages from a mapping.
+
+    Returns:
+        ``None`` once the cache is gone from ``path``; the ``OSError`` that kept it there
+        otherwise (a read-only or immutable directory, say). Returned, not raised, so a
+        caller for which a failed removal is no error may ignore it; one that reports a
+        removal (``fastdata cache prune``) must check it.
     """
     trash = path.with_name(f"{_TMP_PREFIX}trash~{_writer_tag()}~{path.name}")
     try:
         os.rename(path, trash)
-    except OSError:
-        return
+    except OSError as e:
+        return e
+    # Once renamed, no reader finds it; what rmtree leaves, sweep_temporaries removes later.
     shutil.rmtree(trash, ignore_errors=True)
+    return None
 
 
 def store_dir(cache_dir: str | os.PathLike, name: str, fp: str, namespace: str = "") -> Path:
@@ -678,7 +686,13 @@ def build_store(
             except CacheInvalidError as e:
                 reason = e
             warn(f"lightning_fastdata: rebuilding the '{name}' cache: {reason}")
-            remove_cache(final)
+            failed = remove_cache(final)
+            if failed is not None:
+                # The new build could not be published over it, and the invalid one would be
+                # opened unchecked below: stop here, with what to do.
+                raise StoreError(f"the '{name}' cache {final} is invalid ({reason}) and could not be moved aside "
+                                 f"to rebuild it: {failed}; remove it by hand (or check the directory's "
+                                 "permissions), then run again") from failed
         else:
             _warn_what_changed(root, name, final, fp, warn)
         _check_deterministic(dataset, transform, probe, warn)

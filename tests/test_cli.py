@@ -75,8 +75,7 @@ def test_plan_counts_the_trainers_local_ranks(tmp_path, capsys):
     cfg = write_config(tmp_path, data={"strategy": "workers"}, trainer={"devices": 4, "strategy": "ddp"},
                        model=False)
     main(["plan", "--config", cfg, "--json", "-"])
-    text = capsys.readouterr().out
-    report = json.loads(text[text.index("{"):])
+    report = json.loads(capsys.readouterr().out)  # stdout is the JSON alone: the report text goes to stderr
     assert report["local_world_size"] == 4
     assert "/ 4 local ranks" in report["plan"]["reasons"]["num_workers"]
 
@@ -110,6 +109,81 @@ def test_bench_reports_an_infeasible_strategy_and_recommends_among_the_rest(tmp_
     assert device["feasible"] is False and "strategy='device' needs" in device["reason"]
     assert "not feasible" in text
     assert report["recommendation"] != "device"
+
+
+def test_json_to_stdout_is_parseable_and_the_report_goes_to_stderr(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    main(["plan", "--config", cfg, "--json", "-"])
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["plan"]["strategy"] == "device"
+    assert "## plan" in captured.err and "## plan" not in captured.out
+    main(["bench", "--config", cfg, "--batches", "2", "--warmup", "0", "--repeats", "1", "--progress", "false",
+          "--json", "-"])
+    captured = capsys.readouterr()
+    assert {r["strategy"] for r in json.loads(captured.out)["results"]} == {"device", "chunked", "workers"}
+    assert "recommendation:" in captured.err
+
+
+def test_bench_compares_with_what_auto_picks_not_with_the_configured_strategy(tmp_path, capsys):
+    cfg = write_config(tmp_path, data={"strategy": "chunked"})
+    main(["bench", "--config", cfg, "--batches", "2", "--warmup", "0", "--repeats", "1", "--progress", "false",
+          "--json", "-"])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["auto_strategy"] == "device"  # what strategy='auto' picks on this CPU, not the config's chunked
+    assert "the auto choice 'chunked'" not in report["advice"]
+    if report["recommendation"] == "device":
+        assert "it is what strategy='auto' picks here" in report["advice"]
+
+
+def test_bench_marks_a_loader_too_short_to_time_as_not_feasible(tmp_path, capsys):
+    """8 samples, batch 16 and drop_last: no training batch at all; a row says so, no traceback."""
+    from _cli_models import CliImages
+
+    from lightning_fastdata.cli import bench_strategy
+
+    dm = CliImages(n=8, batch_size=16, drop_last=True, cache_dir=str(tmp_path / "cache"), device="cpu")
+    row = bench_strategy(dm, "device", torch.device("cpu"), 1, batches=3, warmup=1, repeats=1, progress=False)
+    assert row["feasible"] is False and "the training loader has 0 batches" in row["reason"]
+    cfg = write_config(tmp_path, data={"n": 8, "drop_last": True})
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--config", cfg, "--batches", "3", "--warmup", "1", "--repeats", "1", "--progress", "false"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no strategy could be measured" in err and "the training loader has 0 batches" in err
+
+
+def test_plan_and_bench_accept_the_fit_subcommands_own_arguments(tmp_path, capsys):
+    """A config from `fastdata fit --print_config` (or Lightning's saved config.yaml) has ckpt_path, weights_only."""
+    cfg = write_config(tmp_path)
+    path = Path(cfg)
+    path.write_text(path.read_text() + "ckpt_path: null\nweights_only: null\n")
+    main(["plan", "--config", cfg, "--ckpt_path", "last.ckpt"])
+    assert "strategy = device" in capsys.readouterr().out
+    main(["bench", "--config", cfg, "--batches", "1", "--warmup", "0", "--repeats", "1", "--progress", "false",
+          "--weights_only", "true"])
+    assert "recommendation:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "ignored by plan" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("override, setting", [
+    (["--trainer.accelerator", "gpu", "--data.init_args.device", "null"], "trainer.accelerator='gpu'"),
+    (["--trainer.accelerator", "cuda"], "trainer.accelerator='cuda'"),
+    (["--data.init_args.device", "cuda"], "data.init_args.device='cuda'"),
+])
+@pytest.mark.parametrize("tool", ["plan", "bench"])
+def test_cuda_asked_for_without_cuda_is_a_parser_error_before_any_cache(tmp_path, capsys, monkeypatch, tool,
+                                                                      override, setting):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = write_config(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main([tool, "--config", cfg, *override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert setting in err and "CUDA" in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists()  # failed before building anything
 
 
 def test_bench_shows_a_progress_bar(tmp_path, capsys):
@@ -274,6 +348,56 @@ def test_cache_prune_removes_only_unused_caches_and_says_what_it_frees(tmp_path,
         main(["cache", "prune", "--cache-dir", str(cache), "--older-than", "3x"])
     assert e.value.code == 2
     assert "--older-than takes a number and a unit s, m, h, d or w (e.g. 30d), got '3x'" in capsys.readouterr().err
+
+
+def test_cache_prune_reports_a_cache_it_could_not_remove(tmp_path, capsys, monkeypatch):
+    """A failed removal is listed as kept with the error, frees nothing and exits 1."""
+    import warnings
+
+    from _helpers import TinyDataModule
+
+    from lightning_fastdata import store
+    from lightning_fastdata.caches import prune_caches
+
+    cache = tmp_path / "cache"
+    warnings.simplefilter("ignore")
+    TinyDataModule(n=40, cache_dir=str(cache), device="cpu", val=False).prepare_data()
+    (path,) = [p for p in (cache / "_helpers.TinyDataModule").iterdir() if p.is_dir()]
+    rename = os.rename
+
+    def refuse(src, dst, *args, **kwargs):
+        if Path(src) == path:  # as an immutable directory (chattr +i) would; the tests run as root
+            raise PermissionError(1, "Operation not permitted", str(src), None, str(dst))
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(store.os, "rename", refuse)
+    (result,) = prune_caches(cache)
+    assert not result.removed and result.error and "Operation not permitted" in result.reason
+    with pytest.raises(SystemExit) as e:
+        main(["cache", "prune", "--cache-dir", str(cache)])
+    assert e.value.code == 1
+    captured = capsys.readouterr()
+    assert "kept: could not remove it (Operation not permitted)" in captured.out
+    assert "freed 0 B: 0 cache(s) removed, 1 kept" in captured.out and "removed  " not in captured.out
+    assert f"could not remove {path}" in captured.err
+    assert path.exists()
+    monkeypatch.undo()
+    main(["cache", "prune", "--cache-dir", str(cache)])
+    assert "1 cache(s) removed, 0 kept" in capsys.readouterr().out and not path.exists()
+
+
+@pytest.mark.parametrize("make", ["missing", "file"])
+def test_cache_list_and_prune_say_when_the_cache_dir_is_not_there(tmp_path, capsys, make):
+    where = tmp_path / "nowhere"
+    if make == "file":
+        where.write_text("")
+    main(["cache", "list", "--cache-dir", str(where)])  # exit 0: nothing cached is not an error
+    err = capsys.readouterr().err
+    assert str(where) in err and ("does not exist" if make == "missing" else "is not a directory") in err
+    main(["cache", "prune", "--cache-dir", str(where)])
+    captured = capsys.readouterr()
+    assert str(where) in captured.err and "nothing to prune" in captured.err
+    assert not where.exists() or where.is_file()  # prune creates nothing
 
 
 def test_bench_augments_each_batch_once(tmp_path, monkeypatch):

@@ -132,7 +132,8 @@ def test_resume_refuses_another_mode_or_chunking():
     with pytest.raises(ValueError, match="checkpoint has mode='global'"):
         block.load_state_dict(chunked_loader(store, ShardedOrder(40, 4)).state_dict())
     other = chunked_loader(store, ShardedOrder(40, 4), chunk_bytes=4 * 4 * ROW, mode="block")
-    with pytest.raises(ValueError, match=r"chunk_rows=16, the loader has chunk_rows=8; .*block mode the sample order follows the chunk size.*free host memory"):
+    with pytest.raises(ValueError, match=r"chunk_rows=16, the loader has chunk_rows=8; .*block mode the sample "
+                                         r"order follows the chunk size.*free host memory"):
         block.load_state_dict(other.state_dict())
 
 

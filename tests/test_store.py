@@ -61,6 +61,25 @@ def test_truncated_file_is_rebuilt(cache_dir):
     assert np.array_equal(s2.fields[0][9], CountingDataset(10)[9][0].numpy())
 
 
+def test_an_invalid_cache_that_cannot_be_moved_aside_is_an_error_not_opened(cache_dir, monkeypatch):
+    import os
+
+    s = build_store(CountingDataset(10), lambda s: s, cache_dir, progress=False)
+    f = s.path / "field_0.npy"
+    f.write_bytes(f.read_bytes()[:-7])
+    real = os.rename
+
+    def refuse(src, dst, *a, **k):
+        if str(src) == str(s.path):
+            raise PermissionError(1, "Operation not permitted", str(src))
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.warns(UserWarning, match="truncated"), pytest.raises(
+            StoreError, match=r"is invalid .* could not be moved aside to rebuild it: .*Operation not permitted"):
+        build_store(CountingDataset(10), lambda s: s, cache_dir, progress=False)
+
+
 def test_flipped_byte_and_edited_manifest_detected(cache_dir):
     s = build_store(CountingDataset(10), lambda s: s, cache_dir, progress=False)
     f = s.path / "field_0.npy"
