@@ -9,7 +9,10 @@ Once every local rank has attached, the leader unlinks the names: the memory liv
 exactly as long as some process maps it, so nothing outlives the job. DataLoader workers
 read the same pages: forked ones inherit the mapping; spawned ones receive a duplicate of
 the file descriptor when the dataset is pickled (:class:`SharedArray`). A segment left by
-a leader killed between create and unlink is removed by the sweep at the next start.
+a leader killed between create and unlink is removed by the sweep at the next start. The
+leader holds a shared ``flock`` on each segment from before its name exists, and the sweep
+removes only a segment it can lock exclusively: the pid in a name means nothing to a job
+in another PID namespace sharing ``/dev/shm`` (containers with ``--ipc=host``).
 
 Python's ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks a
 segment when the first attaching process exits and warns about "leaked" segments.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -27,7 +31,7 @@ import signal
 import stat
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,28 +197,39 @@ class _Handle:
         from multiprocessing.reduction import DupFd
 
         s = self.seg
-        return _attach_handle, (DupFd(s.fd), s.size, s.token, s.fingerprint, s.layout)
+        return _attach_handle, (DupFd(s.fd), s.name, s.size, s.token, s.fingerprint, s.layout)
 
 
 def _field(mm: mmap.mmap, index: int) -> np.ndarray:
     return _view(mm, json.loads(bytes(mm[_HEAD.size:_HEAD.size + _HEAD.unpack_from(mm, 0)[-1]]))[index])
 
 
-#: Segments attached by spawned processes, by token: one mapping per process, not per field.
+#: Segments attached by spawned processes, by segment name: one mapping per segment and
+#: process, not per field. Not by token: every split of one job shares its token.
 _ATTACHED: dict[str, mmap.mmap] = {}
 _ATTACHED_LOCK = threading.Lock()
 
 
-def _attach_handle(dupfd: Any, size: int, token: str, fp: str, layout: list[dict[str, Any]]) -> mmap.mmap:
+def _attach_handle(dupfd: Any, name: str, size: int, token: str, fp: str,
+                   layout: list[dict[str, Any]]) -> mmap.mmap:
     """Map a segment in a spawned process from a duplicated descriptor (no copy of the data)."""
     fd = dupfd.detach()
+    where = f"segment {name} in a spawned process"
     try:
         with _ATTACHED_LOCK:
-            mm = _ATTACHED.get(token)
+            mm = _ATTACHED.get(name)
             if mm is None:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                _verify(mm, size, token, fp, layout, where=f"segment {token} in a spawned process")
-                _ATTACHED[token] = mm
+                try:
+                    _verify(mm, size, token, fp, layout, where=where)
+                except BaseException:
+                    mm.close()
+                    raise
+                _ATTACHED[name] = mm
+            else:
+                # A cached mapping is checked against this handle too: reading another
+                # segment's bytes as this store must fail loudly, never return wrong data.
+                _verify(mm, size, token, fp, layout, where=where)
     finally:
         os.close(fd)
     return mm
@@ -373,11 +388,51 @@ def _memmap_view_offset(arr: np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0] - base.__array_interface__["data"][0])
 
 
+def _open_locked(path: Path) -> int:
+    """Create ``path`` exclusively and owner-only, holding a shared ``flock`` on it.
+
+    The lock tells :func:`sweep_stale` in any PID namespace that the segment's owner lives
+    (the kernel drops it with the owner's last descriptor). Where the kernel allows, the
+    file is made nameless (``O_TMPFILE``), locked, then linked to its name, so no sweep can
+    find it unlocked; ``link`` fails on an existing name, symlinks included.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+    """
+    try:
+        fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except (AttributeError, OSError):
+        fd = -1  # no O_TMPFILE here (old kernel, another filesystem): create by name below
+    if fd >= 0:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
+            return fd
+        except BaseException as e:
+            os.close(fd)
+            if isinstance(e, FileExistsError) or not isinstance(e, OSError):
+                raise
+            # No /proc to link through: create by name below; the sweep's pid check covers
+            # the instant between create and lock in this PID namespace.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+        raise
+    return fd
+
+
 def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, Any]],
             store: Store) -> Segment:
-    """Create, reserve and fill one segment (leader only); nothing is left on any error."""
+    """Create, reserve and fill one segment (leader only); nothing is left on any error.
+
+    The descriptor keeps the shared lock of :func:`_open_locked` for the segment's life.
+    """
     path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = _open_locked(path)
     mm = None
     try:
         try:
@@ -436,8 +491,22 @@ def _attach(name: str, size: int, token: str, fp: str, layout: list[dict[str, An
 # --------------------------------------------------------------------------- sweep
 
 
+def _lock_exclusive(fd: int) -> bool:
+    """Whether ``fd``'s file can be locked exclusively now, i.e. no process holds its shared lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held (EWOULDBLOCK), or locks unsupported: keep the file
+    return True
+
+
 def sweep_stale(directory: Path | None = None) -> list[str]:
-    """Remove this package's segments (this prefix, this user) whose creating process is dead."""
+    """Remove this package's segments (this prefix, this user) whose creating process is dead.
+
+    A segment goes only when no process holds its lock (see :func:`_open_locked`), which
+    holds across PID namespaces, and the pid in its name is not alive here either. The pid
+    alone never suffices: another container's live leader has a pid meaningless here.
+    """
     directory = directory or SHM_DIR
     removed: list[str] = []
     p = prefix()
@@ -456,18 +525,28 @@ def sweep_stale(directory: Path | None = None) -> list[str]:
             continue
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or not _lock_exclusive(fd):
                 continue
             raw = os.pread(fd, _HEAD.size, 0)
-        finally:
-            os.close(fd)
-        start = 0
-        if len(raw) == _HEAD.size and raw[:8] == MAGIC:
-            start = _HEAD.unpack(raw)[5]
-        if not _alive(int(pid_part), start):
+            start = 0
+            if len(raw) == _HEAD.size and raw[:8] == MAGIC:
+                start = _HEAD.unpack(raw)[5]
+            # Unlocked but its pid lives here: a creator between create and lock (no
+            # O_TMPFILE), or one of a release without locks; both keep their segment.
+            if _alive(int(pid_part), start):
+                continue
+            # Unlink only the file that was locked (unlinking while holding the lock).
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             removed.append(name)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -497,6 +576,15 @@ def _unlink_on_sigterm(paths: list[Path]) -> Any:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _discard(segments: Iterable[Segment]) -> None:
+    """Close the descriptors and mappings of segments that no caller receives."""
+    for seg in segments:
+        seg.release()
+        # No view of a discarded segment was handed out; should one exist, it keeps the pages.
+        with contextlib.suppress(BufferError):
+            seg.mm.close()
 
 
 def _node_ranks(rank: int, local_rank: int, local_world_size: int) -> tuple[int, list[int]]:
@@ -572,64 +660,71 @@ def share_stores(
 
     # 2. The leader checks the space, creates, reserves and fills; names stay until step 4.
     segments: dict[str, Segment] = {}
-    outcome: dict[str, Any] = {"error": None, "short": False, "names": {}, "token": None}
-    leading = local_rank == 0
-    guard = contextlib.ExitStack()
+    kept = False
     try:
-        if leading:
-            sweep_stale()
-            free = shm_free_bytes()
-            needed = total + headroom
-            data = sum(s.nbytes for s in stores.values())
-            if needed > free:
-                outcome.update(error=too_small_message(needed, free, data), short=True)
-            else:
-                token = secrets.token_hex(8)
-                outcome["token"] = token
-                names = {s: _segment_name(token, s) for s in splits}
-                guard.enter_context(_unlink_on_sigterm([SHM_DIR / n for n in names.values()]))
+        outcome: dict[str, Any] = {"error": None, "short": False, "names": {}, "token": None}
+        leading = local_rank == 0
+        guard = contextlib.ExitStack()
+        try:
+            if leading:
+                sweep_stale()
+                free = shm_free_bytes()
+                needed = total + headroom
+                data = sum(s.nbytes for s in stores.values())
+                if needed > free:
+                    outcome.update(error=too_small_message(needed, free, data), short=True)
+                else:
+                    token = secrets.token_hex(8)
+                    outcome["token"] = token
+                    names = {s: _segment_name(token, s) for s in splits}
+                    guard.enter_context(_unlink_on_sigterm([SHM_DIR / n for n in names.values()]))
+                    try:
+                        for s in splits:
+                            segments[s] = _create(names[s], sizes[s], token, fps[s], layouts[s], stores[s])
+                            outcome["names"][s] = names[s]
+                    except SharedMemoryError as e:
+                        outcome.update(error=str(e), short=True)
+                    except OSError as e:
+                        outcome.update(error=f"lightning_fastdata: creating a shared-memory segment failed: {e}")
+            outcomes = D.all_gather_object(outcome)
+            mine_out = outcomes[leader]
+            if mine_out["error"] is None and not leading:
                 try:
                     for s in splits:
-                        segments[s] = _create(names[s], sizes[s], token, fps[s], layouts[s], stores[s])
-                        outcome["names"][s] = names[s]
-                except SharedMemoryError as e:
-                    outcome.update(error=str(e), short=True)
-                except OSError as e:
-                    outcome.update(error=f"lightning_fastdata: creating a shared-memory segment failed: {e}")
-        outcomes = D.all_gather_object(outcome)
-        mine_out = outcomes[leader]
-        if mine_out["error"] is None and not leading:
-            try:
-                for s in splits:
-                    segments[s] = _attach(mine_out["names"][s], sizes[s], mine_out["token"], fps[s], layouts[s])
-            except (SharedMemoryError, OSError) as e:
-                outcome = {"error": f"rank {rank}: {e}", "short": False}
-        # 3. All ranks learn every failure, so nobody waits for a peer that gave up.
-        status = D.all_gather_object({"error": outcome["error"] if not leading else None})
+                        segments[s] = _attach(mine_out["names"][s], sizes[s], mine_out["token"], fps[s], layouts[s])
+                except (SharedMemoryError, OSError) as e:
+                    outcome = {"error": f"rank {rank}: {e}", "short": False}
+            # 3. All ranks learn every failure, so nobody waits for a peer that gave up.
+            status = D.all_gather_object({"error": outcome["error"] if not leading else None})
+        finally:
+            # 4. Every local rank has attached (or failed): the names go now, whatever happened.
+            for seg in segments.values():
+                if leading:
+                    seg.unlink()
+            guard.close()
+
+        node_error = mine_out["error"] or next((x["error"] for x in status[members[0]:members[-1] + 1]
+                                                if x["error"]), None)
+        failures = [o for o in outcomes if o["error"]] + [x for x in status if x["error"]]
+        fatal = [o["error"] for o in failures if not o.get("short")]
+        if fatal or (failures and not fallback):
+            raise SharedMemoryError((fatal or [f["error"] for f in failures])[0])
+        if node_error:
+            # Too little space on this node: the disk cache's memory maps stay in place.
+            msg = node_error + "; falling back to the memory-mapped disk cache (one page-cache copy per node)"
+            if warn is None:
+                import warnings
+
+                warnings.warn(msg, stacklevel=2)
+            else:
+                warn(msg)
+            return {}
+        # Another node may have fallen back; this one keeps its segments.
+        kept = True
+        return segments
     finally:
-        # 4. Every local rank has attached (or failed): the names go now, whatever happened.
-        for seg in segments.values():
-            if leading:
-                seg.unlink()
-        guard.close()
-
-    node_error = mine_out["error"] or next((x["error"] for x in status[members[0]:members[-1] + 1]
-                                            if x["error"]), None)
-    failures = [o for o in outcomes if o["error"]] + [x for x in status if x["error"]]
-    fatal = [o["error"] for o in failures if not o.get("short")]
-    if fatal or (failures and not fallback):
-        for seg in segments.values():
-            seg.release()
-        raise SharedMemoryError((fatal or [f["error"] for f in failures])[0])
-    if node_error:
-        # Too little space on this node: the disk cache's memory maps stay in place.
-        msg = node_error + "; falling back to the memory-mapped disk cache (one page-cache copy per node)"
-        if warn is None:
-            import warnings
-
-            warnings.warn(msg, stacklevel=2)
-        else:
-            warn(msg)
-        return {}
-    # Another node may have fallen back; this one keeps its segments.
-    return segments
+        if not kept:
+            # A fallback, an error or an interrupt: the caller gets no segment, so none may
+            # stay held here (an unlinked segment's pages live while a descriptor or a
+            # mapping of it does, i.e. until exit).
+            _discard(segments.values())

@@ -5,6 +5,7 @@ Multi-process behaviour (DDP ranks, signals) is in ``test_ddp_shared.py``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import mmap
@@ -201,6 +202,91 @@ def test_enospc_from_reservation_is_the_same_error_and_leaves_nothing(monkeypatc
     assert _shm_names() == set()
 
 
+def _held_deleted_segments() -> list[str]:
+    """Targets of this process's descriptors that point at an unlinked segment of this package."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if Path(target).name.startswith(shared.prefix()) and target.endswith(" (deleted)"):
+                out.append(target)
+    return out
+
+
+def _enospc_on_call(monkeypatch, n: int) -> None:
+    real, calls = os.posix_fallocate, [0]
+
+    def flaky(fd, offset, length):
+        calls[0] += 1
+        if calls[0] == n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", flaky)
+
+
+def _two_splits() -> dict[str, Store]:
+    return {"train": Store.from_arrays((np.ones((256, 4096), np.uint8),), fingerprint="a" * 64),
+            "val": Store.from_arrays((np.full((8, 16), 2, np.uint8),), fingerprint="b" * 64)}
+
+
+def test_fallback_after_a_later_split_fails_releases_the_earlier_segments(monkeypatch):
+    """train is created, val's reservation hits ENOSPC: train's unlinked pages must not stay held."""
+    _enospc_on_call(monkeypatch, 2)
+    before = set(_held_deleted_segments())  # earlier tests' segments may await the collector
+    with pytest.warns(UserWarning, match="falling back"):
+        assert share_stores(_two_splits(), fallback=True) == {}
+    assert _shm_names() == set()
+    assert set(_held_deleted_segments()) - before == set()
+
+
+def test_an_error_after_creation_releases_the_segments(monkeypatch):
+    """Whatever is raised between creating the segments and returning them, none stays held."""
+    real, calls = shared.D.all_gather_object, [0]
+
+    def broken(obj):
+        calls[0] += 1
+        if calls[0] == 2:  # the leader's outcome, after every segment was created
+            raise RuntimeError("collective failed")
+        return real(obj)
+
+    monkeypatch.setattr(shared.D, "all_gather_object", broken)
+    before = set(_held_deleted_segments())
+    with pytest.raises(RuntimeError, match="collective failed"):
+        share_stores(_two_splits(), fallback=True)
+    assert _shm_names() == set()
+    assert set(_held_deleted_segments()) - before == set()
+
+
+def _read_two_splits(train: np.ndarray, val: np.ndarray, queue) -> None:
+    queue.put([(np.asarray(a).ravel()[:4].tolist(), np.asarray(a).shape) for a in (train, val)])
+
+
+def test_a_spawned_process_maps_each_split_onto_its_own_segment():
+    """All splits of one call share the job token; a spawned process must not mix their segments."""
+    import multiprocessing as mp
+
+    segs = share_stores({"train": Store.from_arrays((np.full((64, 16), 1, np.uint8),), fingerprint="t" * 64),
+                         "val": Store.from_arrays((np.full((8, 16), 2, np.uint8),), fingerprint="v" * 64)})
+    train, val = segs["train"].arrays()[0], segs["val"].arrays()[0]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_two_splits, args=(train, val, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=120)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=30)
+        queue.close()
+        for seg in segs.values():
+            seg.release()
+    assert child.exitcode == 0
+    assert got == [([1, 1, 1, 1], (64, 16)), ([2, 2, 2, 2], (8, 16))]
+
+
 def test_leader_killed_between_create_and_unlink():
     """SIGTERM in the window unlinks and exits with the signal; SIGKILL leaves a name the next start sweeps."""
     children = {sig: subprocess.Popen([sys.executable, str(HERE / "_shared_job.py"), "stall-in-fill"],
@@ -238,6 +324,50 @@ def test_sweep_spares_live_owners_and_other_prefixes():
         other.unlink()
 
 
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)
+    return child.pid
+
+
+@pytest.mark.parametrize("creation", ["nameless-then-linked", "by-name"])
+def test_sweep_spares_a_locked_segment_even_when_its_pid_is_dead_here(creation, monkeypatch):
+    """The pid in a name means nothing in another PID namespace; a held lock says the owner lives."""
+    if creation == "by-name":  # a kernel without O_TMPFILE
+        monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    dead = _dead_pid()
+    store = _store(4)
+    layout = shared._layout(store)
+    size = shared._segment_size(layout)
+    held = f"{shared.prefix()}{dead}_lockedbycreator_train"
+    stale = shared.SHM_DIR / f"{shared.prefix()}{dead}_stale_train"
+    other = shared.SHM_DIR / f"{shared.prefix()}{dead}_lockedbyother_train"
+    seg = shared._create(held, size, "t" * 16, "f" * 64, layout, store)  # the creator holds it
+    try:
+        for p in (stale, other):
+            os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        # Another process holds ``other`` (as a leader in another container would).
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+             "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()", str(other)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            assert shared.sweep_stale() == [stale.name]
+            assert seg.path.exists() and other.exists() and not stale.exists()
+        finally:
+            holder.stdin.close()
+            holder.wait(timeout=30)
+            holder.stdout.close()
+        assert shared.sweep_stale() == [other.name]  # its holder is gone and its pid is dead
+        assert seg.path.exists()
+    finally:
+        seg.unlink()
+        seg.release()
+        for p in (stale, other):
+            p.unlink(missing_ok=True)
+
+
 # --------------------------------------------------------------------------- datamodule
 
 
@@ -265,17 +395,18 @@ def test_datamodule_auto_shares_when_workers_read(cache_dir):
     assert isinstance(dm.stores["train"].fields[0], np.memmap)
 
 
-@pytest.mark.parametrize("kwargs,used", [
-    (dict(num_workers=0), False),                      # one process reads: nothing to share
-    (dict(shared_memory="off"), False),
-    (dict(strategy="device", num_workers=0, shared_memory="on"), True),
+@pytest.mark.parametrize("kwargs,used,reason", [
+    (dict(num_workers=0), False, "not used"),          # one process reads: nothing to share
+    (dict(shared_memory="off"), False, "off"),
+    (dict(shared_memory="on"), True, "on:"),
+    # The device holds its own copy: a segment beside it would only take RAM.
+    (dict(strategy="device", num_workers=0, shared_memory="on"), False, "on, but nothing to share"),
 ])
-def test_datamodule_when_to_share(cache_dir, kwargs, used):
+def test_datamodule_when_to_share(cache_dir, kwargs, used, reason):
     dm = _dm(cache_dir, **kwargs)
     dm.setup("fit")
     assert ("train" in dm.placement.segments) == used
-    assert dm.plan.reasons["shared_memory"].startswith("on:" if used else ("off" if "shared_memory" in kwargs
-                                                                              else "not used"))
+    assert dm.plan.reasons["shared_memory"].startswith(reason)
 
 
 def test_datamodule_too_small_auto_falls_back_on_raises(cache_dir, monkeypatch):
