@@ -167,6 +167,15 @@ def batches_that_stepped(trainer: Any) -> int:
     return int(_attr(epoch_loop, "_batches_that_stepped", "the logging step"))
 
 
+def training_batches_processed(trainer: Any) -> int | None:
+    """Training batches of the current epoch whose step ran (``batch_progress.current.processed``);
+    None where the loop has no such tracker. Lightning 2.1.0 to 2.6.6."""
+    try:
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+    except AttributeError:
+        return None
+
+
 def fetched_batch(loop: Any) -> Any:
     """The batch a ``dataloader_iter`` step's fetcher took last, or None when the loop has no fetcher.
 
@@ -211,6 +220,16 @@ def show_hooks(callback: Any, names: tuple[str, ...]) -> None:
 def cli_parser(cli: Any, subcommand: str | None) -> Any:
     """The parser of ``subcommand`` (the top-level one for None); ``LightningCLI._parser``, 2.1.0 to 2.6.6."""
     return _attr(cli, "_parser", "a subcommand's parser")(subcommand)
+
+
+def label_arguments(parser: Any, dests: Any, title: str, help_text: str) -> None:
+    """Retitle the argument group holding ``dests`` and set their help (argparse keeps both private)."""
+    for group in getattr(parser, "_action_groups", []):
+        if any(a.dest in dests for a in getattr(group, "_group_actions", [])):
+            group.title, group.description = title, None
+    for action in getattr(parser, "_actions", []):
+        if action.dest in dests:
+            action.help = help_text
 
 
 # ---------------------------------------------------------------------- torch

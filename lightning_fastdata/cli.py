@@ -145,13 +145,8 @@ class _ToolCLI(LightningCLI):
         # Trainer.fit's own arguments (ckpt_path, weights_only): accept them, typed as fit
         # types them, so the same file works here; nothing is fitted, so they do nothing.
         added = parser.add_method_arguments(self.trainer_class, "fit", skip=self.subcommands()["fit"])
-        for group in parser._action_groups:
-            if any(a.dest in added for a in group._group_actions):
-                group.title = f"Trainer.fit's own arguments, accepted so a fit config works; ignored by {self.tool}"
-                group.description = None
-        for action in parser._actions:
-            if action.dest in added:
-                action.help = f"Ignored by {self.tool} (fit's argument)."
+        door.label_arguments(parser, added, f"Trainer.fit's own arguments, accepted so a fit config works; "
+                             f"ignored by {self.tool}", f"Ignored by {self.tool} (fit's argument).")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--json", type=str | None, default=None,

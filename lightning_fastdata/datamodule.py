@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata._lightning import quiet_shared_hook_warnings
+from lightning_fastdata._lightning import quiet_shared_hook_warnings, training_batches_processed
 from lightning_fastdata.augment import Batch, BatchTransform
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
@@ -576,11 +576,10 @@ class OptimizedDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":
             return None
-        try:
-            processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        except AttributeError:  # a Lightning without this progress tracker: count transfers only
+        processed = training_batches_processed(trainer)
+        if processed is None:  # a Lightning without this progress tracker: count transfers only
             return None
-        return int(trainer.current_epoch), int(processed)
+        return int(trainer.current_epoch), processed
 
     def train_dataloader(self) -> Any:
         """The training loader for the planned strategy."""
