@@ -167,11 +167,14 @@ def batches_that_stepped(trainer: Any) -> int:
     return int(_attr(epoch_loop, "_batches_that_stepped", "the logging step"))
 
 
-def training_batches_processed(trainer: Any) -> int | None:
-    """Training batches of the current epoch whose step ran (``batch_progress.current.processed``);
-    None where the loop has no such tracker. Lightning 2.1.0 to 2.6.6."""
+def training_steps_in_flight(trainer: Any) -> int | None:
+    """Training batches fetched whose step has not run to its end yet (``batch_progress.current``:
+    ready less processed; 1 while a step runs or after it raised, else 0); None where the loop
+    has no such tracker. Lightning 2.1.0 to 2.6.6 (the difference is the same whether or not a
+    restart re-counted the batch a checkpoint was saved in)."""
     try:
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        return max(0, int(current.ready) - int(current.processed))
     except AttributeError:
         return None
 

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata._lightning import quiet_shared_hook_warnings, training_batches_processed
+from lightning_fastdata._lightning import quiet_shared_hook_warnings, training_steps_in_flight
 from lightning_fastdata.augment import Batch, BatchTransform
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
@@ -567,19 +567,19 @@ class OptimizedDataModule(L.LightningDataModule):
         loader = self.build_loader(split)
         if loader != []:
             self._loaders[split] = loader
-            if split == "train" and hasattr(loader, "steps_done"):
-                loader.steps_done = self._train_steps_done
+            if split == "train" and hasattr(loader, "steps_in_flight"):
+                loader.steps_in_flight = self._train_steps_in_flight
         return loader
 
-    def _train_steps_done(self) -> tuple[int, int] | None:
-        """(epoch, training batches whose step ran in it) from the Trainer's progress, during a fit."""
+    def _train_steps_in_flight(self) -> tuple[int, int] | None:
+        """(epoch, training batches transferred whose step has not finished) during a fit."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":
             return None
-        processed = training_batches_processed(trainer)
-        if processed is None:  # a Lightning without this progress tracker: count transfers only
+        pending = training_steps_in_flight(trainer)
+        if pending is None:  # a Lightning without this progress tracker: count transfers only
             return None
-        return int(trainer.current_epoch), processed
+        return int(trainer.current_epoch), pending
 
     def train_dataloader(self) -> Any:
         """The training loader for the planned strategy."""

@@ -269,11 +269,11 @@ class _Loader:
         self._counted_epoch = order.epoch  # the epoch the two counts above belong to
         self._tracking = False
         self._resume: tuple[int, int] | None = None
-        #: Set by the data module: ``(epoch, batches whose step ran)`` from the Trainer's own
-        #: progress, or None outside a fit. A checkpoint saved while a step is in flight (an
-        #: exception, a preemption signal) must not count that batch as used: the Trainer
-        #: replays it on resume.
-        self.steps_done: Callable[[], tuple[int, int] | None] | None = None
+        #: Set by the data module: ``(epoch, batches transferred whose step has not finished)``
+        #: from the Trainer's own progress, or None outside a fit. A checkpoint saved while a
+        #: step is in flight (an exception, a preemption signal) must not count that batch as
+        #: used: the Trainer replays it on resume.
+        self.steps_in_flight: Callable[[], tuple[int, int] | None] | None = None
 
     @property
     def sampler(self) -> ShardedOrder:
@@ -321,9 +321,9 @@ class _Loader:
         if self._counted_epoch != epoch:
             return epoch, 0  # a new epoch was selected and no batch of it has been used yet
         used = self._consumed if self._tracking else self._yielded
-        done = self.steps_done() if self.steps_done is not None else None
-        if done is not None and done[0] == epoch:
-            used = min(used, done[1])
+        pending = self.steps_in_flight() if self.steps_in_flight is not None and self._tracking else None
+        if pending is not None and pending[0] == epoch:
+            used = max(0, used - pending[1])
         return epoch, used
 
     def state_dict(self) -> dict[str, Any]:

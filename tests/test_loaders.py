@@ -161,19 +161,21 @@ def test_a_new_epoch_starts_at_batch_zero_before_its_first_batch():
 
 
 def test_batches_whose_step_did_not_run_are_not_counted():
-    # The trainer's own count of finished steps caps the transfers counted: a checkpoint saved
-    # while a step is in flight (an exception in it) makes the resume replay that batch.
+    # The trainer's count of steps in flight comes off the transfers counted: a checkpoint
+    # saved while a step runs (an exception in it) makes the resume replay that batch.
     s = _store(48)
     ld = device_loader(s, ShardedOrder(48, 8, seed=3))
     it = iter(ld)
     for _ in range(4):
         ld.consumed(next(it))
     assert ld.state_dict()["batch"] == 4
-    ld.steps_done = lambda: (0, 3)
+    ld.steps_in_flight = lambda: (0, 1)
     assert ld.state_dict()["batch"] == 3
-    ld.steps_done = lambda: (1, 0)  # another epoch's count says nothing of this one
+    ld.steps_in_flight = lambda: (0, 0)  # saved at a step's end
     assert ld.state_dict()["batch"] == 4
-    ld.steps_done = lambda: None  # outside a fit
+    ld.steps_in_flight = lambda: (1, 1)  # another epoch's count says nothing of this one
+    assert ld.state_dict()["batch"] == 4
+    ld.steps_in_flight = lambda: None  # outside a fit
     assert ld.state_dict()["batch"] == 4
 
 
