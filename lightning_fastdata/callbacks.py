@@ -130,6 +130,13 @@ class FastDataCallback(Callback):
             self.profiler.teardown(trainer, pl_module, stage)
         door.hide_hooks(self, FALLBACK_HOOKS, FastDataCallback)
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """The run stopped on an exception (Lightning skips ``teardown`` then): write the trace
+        recorded so far and restore everything :meth:`setup` wrapped."""
+        if self.profile:
+            self.profiler.on_exception(trainer, pl_module, exception)
+        self.teardown(trainer, pl_module, "fit")
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.profile:
             self.profiler.on_train_start(trainer, pl_module)

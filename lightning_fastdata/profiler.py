@@ -220,6 +220,13 @@ class DataWaitProfiler(Callback):
 
         self._patches.wrap(augment, on_after_batch_transfer)
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """The run stopped on an exception (Lightning skips ``teardown`` then): write the steps
+        traced so far, and restore everything :meth:`setup` wrapped."""
+        if self._enabled and self._tracer is not None and self._trainer is not None:
+            self._write_trace(trainer)
+        self.teardown(trainer, pl_module, "fit")
+
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Restore everything :meth:`setup` wrapped."""
         self._patches.restore()
@@ -340,6 +347,9 @@ class DataWaitProfiler(Callback):
             # Validation inside fit: the next training step starts now, not before validation.
             self._hot.active = self._train
             self._train.prev_end = self.clock()
+            # And on the device: the idle before the next step is measured from the last
+            # training step's end event, which would count the validation's device time.
+            self._train.prev_event = None
         else:
             self._hot.active = None
 

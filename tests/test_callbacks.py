@@ -341,3 +341,32 @@ def test_the_trainer_is_left_as_it_was_found(tmp_path):
         for name in names:
             assert name not in vars(obj), name
             assert getattr(obj, name).__func__ is before[id(obj), name]
+
+
+def test_a_fit_that_raises_writes_its_trace_and_leaves_nothing_wrapped(tmp_path):
+    from _timing import COMPUTE, FETCH, FakeClock
+
+    clock = FakeClock()
+    path = tmp_path / "trace.json"
+
+    class DM(L.LightningDataModule):
+        def train_dataloader(self):
+            return loader(400, 4, Spend(FETCH, clock))
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    class Crash(SpendingModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 30:
+                raise RuntimeError("loss is NaN")
+            return super().training_step(batch, batch_idx)
+
+    dm = DM()
+    cb = FastDataCallback(clock=clock, print_report=False, trace=path, trace_steps=(0, 5))
+    t = make_trainer(tmp_path, callbacks=[cb], num_sanity_val_steps=0)
+    with pytest.raises(RuntimeError, match="loss is NaN"):
+        t.fit(Crash(Spend(COMPUTE, clock)), datamodule=dm)
+    assert path.exists() and json.loads(path.read_text())["traceEvents"]  # the window was complete
+    assert not any(k in vars(t.strategy) for k in ("batch_to_device", "validation_step", "process_dataloader"))
+    assert "on_after_batch_transfer" not in vars(dm)

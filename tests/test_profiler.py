@@ -692,3 +692,21 @@ def test_trace_on_a_simulated_gpu_has_device_lanes(tmp_path, monkeypatch):
 def test_bad_trace_arguments_are_named(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         DataWaitProfiler(**kwargs)
+
+
+def test_a_validation_inside_the_epoch_is_not_gpu_idle_of_the_next_step(tmp_path, monkeypatch):
+    # The device is busy validating between two training steps: the idle before the next
+    # step is measured from the validation's end, not from the last training step's event.
+    def idle_per_step(val: bool) -> list[float]:
+        clock = FakeClock()
+        _simulate_cuda(monkeypatch, clock, lag=2)
+        prof = _OnDevice(clock=clock, print_report=False)
+        kw = dict(val_check_interval=4) if val else dict(limit_val_batches=0)
+        t = make_trainer(tmp_path, callbacks=[prof], num_sanity_val_steps=0, **kw)
+        model = SpendingModel(Spend(COMPUTE, clock), Spend(TRANSFER, clock), Spend(COMPUTE, clock))
+        t.fit(model, loader(64, 4, Spend(FETCH, clock)), loader(32, 4, Spend(FETCH, clock)) if val else None)
+        return [round(row[6], 6) for row in prof._train.history]
+
+    plain, with_val = idle_per_step(False), idle_per_step(True)
+    assert len(plain) == len(with_val) == 16
+    assert max(with_val) <= max(plain)  # no step carries a validation run's device time
