@@ -119,12 +119,15 @@ class TimingSites:
     the loop calls them through instance attribute lookup). ``auto_run``: the automatic
     optimisation loop's ``run(optimizer, batch_idx, kwargs)``; ``manual_run``: the manual one's
     ``run(kwargs)``; both called positionally, the step's kwargs holding the batch.
+    ``val_run``: the validation loop inside fit's ``run()``, which returns after every
+    callback's ``on_validation_end`` (a checkpoint saved there included).
     """
 
     before_fetch: tuple[Site, ...]
     after_fetch: tuple[Site, ...]
     auto_run: Site
     manual_run: Site
+    val_run: Site
 
 
 # Checked on Lightning 2.1.0 to 2.6.6 (source read); 2.0.9's automatic run took (optimizer, kwargs).
@@ -137,12 +140,12 @@ def timing_sites(trainer: Any) -> TimingSites:
 
     Checked on Lightning 2.1.0 to 2.6.6: ``_TrainingEpochLoop._on_before_fetch`` /
     ``_on_after_fetch`` and ``_EvaluationLoop``'s, ``_AutomaticOptimization.run`` and
-    ``_ManualOptimization.run`` with the parameters above.
+    ``_ManualOptimization.run`` with the parameters above, ``_EvaluationLoop.run()``.
     """
     fit_loop = _attr(trainer, "fit_loop", "the fit loop")
     epoch_loop = _attr(fit_loop, "epoch_loop", "the training epoch loop")
-    loops = (epoch_loop, _attr(epoch_loop, "val_loop", "validation inside fit"),
-             _attr(trainer, "validate_loop", "trainer.validate's loop"))
+    val_loop = _attr(epoch_loop, "val_loop", "validation inside fit")
+    loops = (epoch_loop, val_loop, _attr(trainer, "validate_loop", "trainer.validate's loop"))
     before = tuple(Site(lp, "_on_before_fetch", _attr(lp, "_on_before_fetch", "fetch start hook")) for lp in loops)
     after = tuple(Site(lp, "_on_after_fetch", _attr(lp, "_on_after_fetch", "fetch end hook")) for lp in loops)
     runs = []
@@ -158,13 +161,35 @@ def timing_sites(trainer: Any) -> TimingSites:
             raise DoorClosed(type(loop).__name__, f"run({', '.join(params)})",
                              f"{what}, called as run({', '.join(names)}) here")
         runs.append(Site(loop, "run", run))
-    return TimingSites(before, after, runs[0], runs[1])
+    return TimingSites(before, after, runs[0], runs[1], Site(val_loop, "run", _attr(val_loop, "run", "validation run")))
 
 
 def batches_that_stepped(trainer: Any) -> int:
     """The step Lightning's loggers use (``log_every_n_steps`` counts it); Lightning 2.1.0 to 2.6.6."""
     epoch_loop = trainer.fit_loop.epoch_loop
     return int(_attr(epoch_loop, "_batches_that_stepped", "the logging step"))
+
+
+def accumulating(trainer: Any) -> bool:
+    """Whether the training batch running now only accumulates gradients (no optimizer step).
+
+    Lightning's own step logging skips those batches (``update_train_step_metrics``, automatic
+    optimisation only) and counts its logging step once per stepping batch. Lightning 2.1.0 to
+    2.6.6: ``_TrainingEpochLoop._should_accumulate()``, valid from the batch's start to its end.
+    """
+    if not trainer.lightning_module.automatic_optimization:
+        return False
+    return bool(_attr(trainer.fit_loop.epoch_loop, "_should_accumulate", "gradient accumulation state")())
+
+
+def restarted_mid_epoch(trainer: Any) -> bool:
+    """Whether ``fit`` resumed inside a training epoch, where Lightning skips ``on_train_epoch_start``.
+
+    Lightning 2.6.0 to 2.6.6: ``_FitLoop.restarted_mid_epoch`` (public on the private loop), set
+    in the loop's ``reset`` before ``on_train_start``. Lightning 2.4.0 to 2.5.x calls
+    ``on_train_epoch_start`` on every restart and has no such property: False there.
+    """
+    return bool(getattr(trainer.fit_loop, "restarted_mid_epoch", False))
 
 
 def training_steps_in_flight(trainer: Any) -> int | None:

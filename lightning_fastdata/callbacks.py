@@ -145,10 +145,18 @@ class FastDataCallback(Callback):
             params = _plan_params(trainer)
             for logger in trainer.loggers:
                 logger.log_hyperparams(params)
+        if door.restarted_mid_epoch(trainer):
+            # Resumed inside an epoch: Lightning skips on_train_epoch_start for it (the
+            # profiler, above, starts its epoch itself), but the loaders still need their epoch.
+            self._epoch_start(trainer)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.profile:
             self.profiler.on_train_epoch_start(trainer, pl_module)
+        self._epoch_start(trainer)
+
+    def _epoch_start(self, trainer: L.Trainer) -> None:
+        """``set_epoch`` and the workers' seeding epoch for the training epoch starting (or resuming) now."""
         if self.set_epoch:
             epoch = trainer.fit_loop.epoch_progress.current.processed
             loaders = _flatten(trainer.train_dataloader) + _flatten(trainer.val_dataloaders)

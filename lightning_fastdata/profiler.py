@@ -122,8 +122,12 @@ class DataWaitProfiler(Callback):
                                  ("replay_warmup", replay_warmup, 0), ("max_pending", max_pending, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(print_report, bool):
+            raise ValueError(f"print_report must be True or False, got {print_report!r}")
         if trace is not None and not isinstance(trace, (str, os.PathLike)):
             raise TypeError(f"trace must be a file path or None, got {trace!r}")
+        if trace is not None and os.path.isdir(trace):
+            raise ValueError(f"trace must be a file path, got {trace!r}, an existing directory")
         if (not isinstance(trace_steps, (tuple, list)) or len(trace_steps) != 2
                 or any(isinstance(v, bool) or not isinstance(v, int) for v in trace_steps)
                 or trace_steps[0] < 0 or trace_steps[1] < 1):
@@ -183,6 +187,9 @@ class DataWaitProfiler(Callback):
             self._hooks = HookTimer(self.clock, self._hot)
             door.show_hooks(self, FALLBACK_HOOKS)
             return
+        if stage == "fit" and self.trace is not None:
+            # trace_steps counts from 0 over each fit: a second fit with this callback traces its own window.
+            self._tracer = StepTrace(self.trace, *self.trace_steps)
         clock, hot, tracer = self.clock, self._hot, self._tracer
         span = tracer.span if tracer is not None else None
         # Lightning's own fetch hooks only feed trainer.profiler; with the default no-op profiler
@@ -199,8 +206,26 @@ class DataWaitProfiler(Callback):
         for s, stage_, calls in ((sites.auto_run, self._train, AUTO), (sites.manual_run, self._train, MANUAL),
                                  (door.site(strategy, "validation_step"), self._val, EVAL)):
             self._patches.wrap(s, make_step(s.original, clock, hot, stage_, stage_ is self._train, calls, hooks))
+        self._patches.wrap(sites.val_run, self._after_validation(sites.val_run.original))
         if tracer is not None:
             self._trace_augment(trainer)
+
+    def _after_validation(self, original: Callable[[], Any]) -> Callable[[], Any]:
+        """The validation loop inside fit, wrapped: the next training step starts when it returns.
+
+        Callbacks after this one (``ModelCheckpoint`` saving in ``on_validation_end``) still run
+        inside it: their time is neither the validation's nor the next training step's.
+        """
+        clock, hot, train = self.clock, self._hot, self._train
+
+        def run() -> Any:
+            out = original()
+            if hot.active is train:
+                train.prev_end = clock()
+                train.prev_event = None  # the device's idle before the next step is not measured across it
+            return out
+
+        return run
 
     def _trace_augment(self, trainer: L.Trainer) -> None:
         """Time the datamodule's ``on_after_batch_transfer`` (the augmentation) for the trace, when it has one."""
@@ -250,11 +275,25 @@ class DataWaitProfiler(Callback):
         every, hot = self._hot.log_every, self._hot
         due = (self._logging_step() + 1) % every
         if due == 0:
+            if self._accumulating():
+                # A batch that only accumulates: Lightning logs at the group's stepping batch,
+                # with the same step; look again next batch (the rows keep adding up).
+                hot.log_in = 1
+                return
             self._log_interval(stage)
-            hot.log_in = 1  # under gradient accumulation the step repeats: look again next batch
+            # The step rises at this batch's end, by at most one per batch: the next log is
+            # at least ``every`` batches away.
+            hot.log_in = every
         else:
             # The step rises by at most one per batch: no earlier batch can be due.
             hot.log_in = every - due
+
+    def _accumulating(self) -> bool:
+        try:
+            return door.accumulating(self._trainer)
+        except door.DoorClosed as e:
+            self._warn_once("accumulating", f"{e} Logging on every batch of an accumulation group.")
+            return False
 
     def _logging_step(self) -> int:
         trainer = self._trainer
@@ -273,6 +312,10 @@ class DataWaitProfiler(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._context = _context(trainer)
+        if door.restarted_mid_epoch(trainer):
+            # Resumed inside an epoch: Lightning skips on_train_epoch_start for it, and the
+            # epoch's remaining steps would otherwise go untimed.
+            self.on_train_epoch_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._enabled:
@@ -285,6 +328,7 @@ class DataWaitProfiler(Callback):
         hot.log_every = trainer.log_every_n_steps if trainer.loggers else 0
         hot.log_in = 1 if hot.log_every else 0  # look at Lightning's step at the first batch
         hot.capture = self._replay.wants_more()
+        hot.split = self._train if _several_loaders(trainer) else None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stage = self._train
@@ -467,6 +511,20 @@ def _context(trainer: L.Trainer) -> dict[str, Any]:
     return {"plan": getattr(dm, "plan", None), "vram_fraction": getattr(dm, "vram_fraction", None),
             "loader": loader_info(loader), "cores": max(1, cpu_count() // max(1, D.local_world_size())),
             "device_type": trainer.strategy.root_device.type}
+
+
+def _several_loaders(trainer: L.Trainer) -> bool:
+    """Whether training combines several loaders: each batch then holds one batch of each (a dict or list).
+
+    ``trainer.fit`` refuses ``CombinedLoader(mode="sequential")``, the one mode that yields
+    one loader's batch at a time.
+    """
+    try:
+        loaders = trainer.train_dataloader
+    except Exception:  # noqa: BLE001 (a loader the Trainer cannot describe counts as one)
+        return False
+    loaders = getattr(loaders, "iterables", loaders)  # a CombinedLoader passed to fit as such
+    return isinstance(loaders, (dict, list, tuple)) and len(loaders) > 1
 
 
 def _eval_loop(trainer: L.Trainer) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from lightning_fastdata._util import fmt_bytes
+from lightning_fastdata.plan import _budget
 from lightning_fastdata.step_timer import COMPUTE, FETCH, IDLE, OVERHEAD, STEP, TRANSFER, WAIT, WIDTH
 
 _FIGURES = (("step", STEP), ("data_wait", WAIT), ("compute", COMPUTE), ("overhead", OVERHEAD))
@@ -125,6 +126,7 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
         strategy = getattr(plan, "strategy", None)
         resources = getattr(plan, "resources", None)
         store = int(getattr(plan, "store_nbytes", 0) or 0)
+        stays_on_host = False  # the planner would refuse strategy=device for this store
         if on_device:
             if not host_bound:
                 advice.append(f"{lead}, with the data already on the device: the wait is the batch gather and "
@@ -134,10 +136,19 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
             vf = float(context.get("vram_fraction") or 0.6)
             what = "GPU" if resources.device_type == "cuda" else "device"
             total = resources.device_total
-            if store <= vf * total:
+            # The planner's own budget (the fraction of total, bounded by free memory less a
+            # margin): advice it would refuse is no advice.
+            budget, why = _budget(resources, vf)
+            if store <= budget:
                 advice.append(f"{lead}; the store ({fmt_bytes(store)}) fits {vf:.0%} of this {what}'s "
                               f"{fmt_bytes(total)}: set strategy=device")
+            elif store <= vf * total:
+                stays_on_host = True
+                advice.append(f"{lead}; the store ({fmt_bytes(store)}) fits {vf:.0%} of this {what}'s "
+                              f"{fmt_bytes(total)} but not its free memory (budget {fmt_bytes(budget)}: {why}), "
+                              "so it stays on the host; free device memory to move it there")
             else:
+                stays_on_host = True
                 advice.append(f"{lead}; the store ({fmt_bytes(store)}) is more than {vf:.0%} of this "
                               f"{what}'s {fmt_bytes(total)}, so it stays on the host")
         nw = loader.get("num_workers")
@@ -146,8 +157,11 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
             if cuda and not loader.get("pin_memory"):
                 advice.append("set pin_memory=True: host-to-device copies come from pageable memory")
         if wait_ms > 0 and transfer_ms > 0.5 * wait_ms and strategy != "device":
+            # Where the store cannot move to the device, only the augmentation is left to change.
+            fix = "lighten the augmentation" if stays_on_host else \
+                "keep the data on the device (strategy=device) or lighten the augmentation"
             advice.append(f"transfer and on-device augmentation take {transfer_ms:.1f} of the {wait_ms:.1f} ms "
-                          "wait: keep the data on the device (strategy=device) or lighten the augmentation")
+                          f"wait: {fix}")
     if summary.get("verdict") == "compute-bound":
         advice.append(f"compute-bound: compute is {c:.0%} of the step, data wait {w:.0%}; the input pipeline "
                       "keeps up: speed now comes from the model (mixed precision, a larger batch, "

@@ -66,7 +66,7 @@ class Hot:
     among them); the wrappers touch this instead.
     """
 
-    __slots__ = ("active", "fetch_t0", "fetch_end", "n", "log_every", "log_in", "cuda", "capture")
+    __slots__ = ("active", "fetch_t0", "fetch_end", "n", "log_every", "log_in", "cuda", "capture", "split")
 
     def __init__(self) -> None:
         self.active: Stage | None = None
@@ -79,6 +79,19 @@ class Hot:
         self.log_in = 0
         self.cuda = False
         self.capture = False  # replay mode still collecting batches
+        # The stage whose batches hold several loaders' batches (a dict or list of training
+        # loaders, combined by Lightning's CombinedLoader): their samples add up.
+        self.split: Stage | None = None
+
+
+def combined_len(batch: Any) -> int:
+    """Samples in a batch combining several loaders' batches (a dict or list of them): the sum of theirs."""
+    if isinstance(batch, dict):
+        return sum(batch_len(b) for b in batch.values() if b is not None) or 1
+    if isinstance(batch, (list, tuple)):
+        # min_size/max_size modes leave None where a loader is exhausted.
+        return sum(batch_len(b) for b in batch if b is not None) or 1
+    return batch_len(batch)
 
 
 #: ``trace(lane, t0, t1)`` records one span of the step running now; None when no trace is taken.
@@ -137,7 +150,9 @@ def make_transfer(clock: Callable[[], float], hot: Hot, original: Callable[..., 
             # (after the step, reading it again cost ~1.4 us in place, 0.2% of a tiny step).
             # batch_len's common case inlined (a list or tuple of tensors): one tensor attribute read.
             first = out[0] if (type(out) is list or type(out) is tuple) and out else None
-            if type(first) is torch.Tensor:
+            if stage is hot.split:
+                hot.n = combined_len(out)
+            elif type(first) is torch.Tensor:
                 try:
                     hot.n = first.shape[0]
                 except IndexError:  # a 0-d tensor: one sample
@@ -202,7 +217,8 @@ def make_step(original: Callable[..., Any], clock: Callable[[], float], hot: Hot
             if batch is not None and train and hot.capture:
                 hot.capture = hooks.capture(batch)
             if n is None:  # no transfer (a dataloader_iter step): the batch the fetcher took
-                n = batch_len(batch if batch is not None else hooks.fetched_batch(train))
+                b = batch if batch is not None else hooks.fetched_batch(train)
+                n = combined_len(b) if stage is hot.split else batch_len(b)
         hot.n = None
         fetch, transfer = stage.fetch, stage.transfer
         wait, step_s = fetch + transfer, now - stage.prev_end
@@ -254,7 +270,7 @@ class HookTimer:
             return
         now = self.clock()
         wait, compute = self.start - stage.prev_end, now - self.start
-        n = batch_len(batch)
+        n = combined_len(batch) if stage is self.hot.split else batch_len(batch)
         stage.rows.append((wait + compute, wait, wait, 0.0, compute, 0.0, _NAN, n))
         stage.resolved += 1
         stage.samples += n

@@ -223,10 +223,16 @@ def test_trace_of_a_fit_with_a_sleeping_loader(tmp_path, caplog):
     (dict(profile="yes"), "profile must be True or False"),
     (dict(log_memory=1), "log_memory must be True or False"),
     (dict(replay_steps=-3), "replay_steps must be an int >= 0, got -3"),
+    (dict(print_report="no"), "print_report must be True or False, got 'no'"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FastDataCallback(**kwargs)
+
+
+def test_a_trace_path_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"trace must be a file path, got .* an existing directory"):
+        FastDataCallback(trace=tmp_path)
 
 
 @pytest.mark.slow
@@ -370,3 +376,69 @@ def test_a_fit_that_raises_writes_its_trace_and_leaves_nothing_wrapped(tmp_path)
     assert path.exists() and json.loads(path.read_text())["traceEvents"]  # the window was complete
     assert not any(k in vars(t.strategy) for k in ("batch_to_device", "validation_step", "process_dataloader"))
     assert "on_after_batch_transfer" not in vars(dm)
+
+
+def test_a_fit_resumed_mid_epoch_times_and_sets_the_epoch_it_resumes(tmp_path):
+    """Lightning skips on_train_epoch_start for the epoch it resumes inside: the callback starts it itself."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1)
+    first = make_trainer(tmp_path, callbacks=[FastDataCallback(print_report=False), ck], enable_checkpointing=True,
+                         max_steps=6, max_epochs=3, num_sanity_val_steps=0)
+    first.fit(SpendingModel(Spend(0.0)), DataLoader(EpochStream(16), batch_size=4))  # 4 steps a epoch
+    path = sorted((tmp_path / "ck").glob("*.ckpt"))[-1]  # step 6: 2 steps into epoch 1
+
+    stream, cb = EpochStream(16), FastDataCallback(print_report=False)
+    t = make_trainer(tmp_path, callbacks=[cb], max_epochs=3, num_sanity_val_steps=0)
+    t.fit(SpendingModel(Spend(0.0)), DataLoader(stream, batch_size=4), ckpt_path=str(path))
+    # An IterableDataset has no position to restore: the resumed epoch 1 runs its 4 batches again.
+    assert t.global_step == 6 + 4 + 4
+    rep = cb.report()
+    assert rep["steps"] == 8 and len(rep["stages"]["train"]["epochs"]) == 2  # epochs 1 and 2, every step
+    assert stream.calls[0] == 1 and ("loader[0].dataset", 1) in cb.set_epoch_calls
+
+
+def test_a_checkpoint_saved_after_a_mid_epoch_validation_is_not_step_overhead(tmp_path):
+    """A callback after ours (ModelCheckpoint) working in on_validation_end: not the next training step's time."""
+    from _timing import COMPUTE, FETCH, FakeClock
+
+    clock = FakeClock()
+
+    class SlowSave(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            clock.advance(0.5)
+
+    cb = FastDataCallback(clock=clock, print_report=False, log_memory=False)
+    t = make_trainer(tmp_path, callbacks=[cb, SlowSave()], val_check_interval=10, num_sanity_val_steps=0)
+    t.fit(SpendingModel(Spend(COMPUTE, clock)), loader(160, 4, Spend(FETCH, clock)), loader(8, 4, Spend(FETCH, clock)))
+    rows = cb.profiler._train.history
+    assert len(rows) == 40 and t.fit_loop.epoch_loop.val_loop.batch_progress.total.completed == 4 * 2
+    assert max(row[5] for row in rows) == pytest.approx(0.0)  # overhead: the save is in no step
+    assert not any("log_every_n_steps" in a for a in cb.report()["advice"])
+
+
+def test_samples_of_several_training_loaders_add_up(tmp_path):
+    class Two(SpendingModel):
+        def training_step(self, batch, batch_idx):
+            return sum(SpendingModel.training_step(self, b, batch_idx) for b in batch.values())
+
+    cb = FastDataCallback(print_report=False)
+    make_trainer(tmp_path, callbacks=[cb], num_sanity_val_steps=0).fit(
+        Two(Spend(0.0)), {"a": DataLoader(Vectors(16), batch_size=2), "b": DataLoader(Vectors(64), batch_size=8)})
+    rep = cb.report()
+    assert rep["steps"] == 8 and rep["samples"] == 8 * 2 + 8 * 8
+
+
+def test_a_second_fit_traces_its_own_window(tmp_path):
+    from _timing import COMPUTE, FETCH, FakeClock
+
+    clock = FakeClock()
+    path = tmp_path / "trace.json"
+    cb = FastDataCallback(clock=clock, print_report=False, trace=path, trace_steps=(1, 2))
+    for phase in (1, 2):
+        t = make_trainer(tmp_path, callbacks=[cb], num_sanity_val_steps=0)
+        t.fit(SpendingModel(Spend(COMPUTE * phase, clock)), loader(16, 4, Spend(FETCH, clock)))
+        trace = json.loads(path.read_text())
+        computes = [e["dur"] for e in trace["traceEvents"] if e.get("name") == "compute"]
+        assert computes == [pytest.approx(1e6 * COMPUTE * phase)] * 2, phase  # this fit's steps
+        assert cb.report()["trace"] == {"path": str(path), "first_step": 1, "last_step": 2}

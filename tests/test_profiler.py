@@ -710,3 +710,76 @@ def test_a_validation_inside_the_epoch_is_not_gpu_idle_of_the_next_step(tmp_path
     plain, with_val = idle_per_step(False), idle_per_step(True)
     assert len(plain) == len(with_val) == 16
     assert max(with_val) <= max(plain)  # no step carries a validation run's device time
+
+
+def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
+    # Fetch i takes i ms: each logged mean shows which batches it averaged.
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    count = [0]
+
+    def growing() -> None:
+        count[0] += 1
+        clock.advance(count[0] * 1e-3)
+
+    t = make_trainer(tmp_path, callbacks=[prof], logger=logger, log_every_n_steps=2, accumulate_grad_batches=2,
+                     num_sanity_val_steps=0)
+    t.fit(SpendingModel(Spend(COMPUTE, clock)), loader(48, 4, growing))
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    ours = [(int(r["step"]), float(r["fastdata/data_wait_ms"])) for r in rows if r.get("fastdata/data_wait_ms")]
+    lightning = [int(r["step"]) for r in rows if r.get("train_loss")]
+    assert [s for s, _ in ours] == lightning == [1, 3, 5]  # one row per logged step, as Lightning's own
+    # Each log: the mean of the 4 batches (2 optimizer steps of 2) since the last one.
+    assert [w for _, w in ours] == pytest.approx([2.5, 6.5, 10.5])
+
+
+def _chunked_advice(store, free, transfer):
+    from lightning_fastdata.plan import decide
+
+    res = Resources(physical_cores=8, logical_cores=8, ram_total=256 * GB, ram_available=200 * GB,
+                    device_type="cuda", device_total=80 * GB, device_free=free, shm_free=64 * GB)
+    plan = decide(store, res, {"strategy": "auto", "vram_fraction": 0.6, "batch_nbytes": 64 << 20})
+    assert plan.strategy == "chunked"
+    summary = _summary(0.06, 0.03, 0.01, transfer=transfer)
+    return advise(summary, {"plan": plan, "vram_fraction": 0.6, "cores": 8, "device_type": "cuda",
+                            "loader": {"kind": "chunked"}})
+
+
+def test_advice_never_moves_a_store_to_a_device_without_the_free_memory():
+    # 20 GB fits 60% of 80 GB but not the 12 GB free: the planner would refuse strategy=device.
+    advice = _chunked_advice(20 * GB, 12 * GB, transfer=0.01)
+    assert not any("set strategy=device" in a for a in advice)
+    assert "not its free memory" in advice[0] and "stays on the host" in advice[0]
+
+
+def test_advice_for_a_store_on_the_host_does_not_then_say_keep_it_on_the_device():
+    advice = _chunked_advice(60 * GB, 80 * GB, transfer=0.05)
+    assert "stays on the host" in advice[0]
+    assert not any("strategy=device" in a for a in advice)
+    assert any(a.endswith("wait: lighten the augmentation") for a in advice)
+
+
+def test_ddp_reduction_keeps_whole_rows_of_the_rank_that_waited(monkeypatch):
+    # Two ranks whose loaders stall in turn: each step, one rank waits 60 ms for data and the
+    # other spends those 60 ms in the gradient all-reduce (its compute). Whole rows, never
+    # column-wise maxima: a step's parts add up to its time and the verdict is data-bound.
+    from lightning_fastdata import distributed as D
+    from lightning_fastdata import rank_reduce
+
+    nan, IDLE_COL = float("nan"), 6
+    stalled, waiting = (0.070, 0.060, 0.060, 0.0, 0.010, 0.0, nan, 4), (0.070, 0.0, 0.0, 0.0, 0.070, 0.0, nan, 4)
+    rank0 = [stalled if i % 2 == 0 else waiting for i in range(6)]
+    rank1 = [waiting if i % 2 == 0 else stalled for i in range(6)]
+    rows = rank_reduce.slowest_rows([rank0, rank1])
+    assert len(rows) == 6 and all(r[:IDLE_COL] == list(stalled[:IDLE_COL]) for r in rows)
+
+    monkeypatch.setattr(D, "world_size", lambda: 2)
+    monkeypatch.setattr(D, "is_initialized", lambda: True)
+    monkeypatch.setattr(D, "all_gather_object", lambda obj: [[list(r) for r in rank0], [list(r) for r in rank1]])
+    count, step, wait, compute, overhead, idle = rank_reduce.interval_means(rank0)
+    assert (count, step, wait, compute, overhead, idle) == pytest.approx((6, 0.070, 0.060, 0.010, 0.0, 0.0))
+    epoch = rank_reduce.epoch_rows(rank0, cuda=False)
+    s = summarize(epoch)
+    assert s["data_wait_frac"] + s["compute_frac"] + s["overhead_frac"] == pytest.approx(1.0)
+    assert verdict_of(s)["verdict"] == "data-bound"
