@@ -103,6 +103,15 @@ def _fusable_crop(op: Callable) -> bool:
     return type(op) in (RandomCrop, RandomCropByLabel)
 
 
+def starts_with_crop(op: Any) -> bool:
+    """Whether ``op`` (or the first op of a ``Compose``, nested or not) is a ``RandomCrop`` or
+    ``RandomCropByLabel``: a pipeline that can cut its windows from the store's rows
+    (:class:`~lightning_fastdata.augment_base.StoreRows`) without gathering whole samples."""
+    while type(op) is Compose and op.transforms:
+        op = op.transforms[0]
+    return _fusable_crop(op)
+
+
 def _fusable_flip(op: Callable) -> bool:
     # RandomFlip and its subclasses that only preset dims (horizontal, vertical).
     return (isinstance(op, RandomFlip) and type(op).make_params is RandomFlip.make_params

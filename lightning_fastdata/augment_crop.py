@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -68,10 +70,12 @@ def _row_grid(m: int, plane: int, size: tuple[int, ...], strides: list[int], dev
 
 def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: int,
                 flip: torch.Tensor | None = None, padding: Sequence[int] | None = None,
-                fill: float = 0, mirror_rows: torch.Tensor | None = None) -> torch.Tensor:
+                fill: float = 0, mirror_rows: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sample crop of ``pad(x)`` at ``offset`` (N, sd), of ``size``, optionally mirrored
     along the last axis (``flip``, bool (N,)) and along the other spatial axes
-    (``mirror_rows``, bool (N, sd - 1)); ``x`` is ``(N, ..., *spatial)`` with ``sd`` spatial dims.
+    (``mirror_rows``, bool (N, sd - 1)); ``x`` is ``(N, ..., *spatial)`` with ``sd`` spatial dims,
+    or, with ``rows`` (int64 (N,)), a whole field whose row ``rows[i]`` is sample i.
 
     Each output row of the last axis is one contiguous run of the padded source, so the
     crop is a single ``index_select`` of rows from an overlapping "every start offset" view
@@ -80,8 +84,14 @@ def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: 
     their padded source at the mirrored column: ``flip(crop(p, o)) == crop(flip(p), W - w - o)``.
     Mirroring along another axis only reverses the order in which that axis's rows are
     read: their start offsets change, the pass is the same. The output is bit-identical
-    to ``F.pad``, slicing and ``torch.flip``.
+    to ``F.pad``, slicing and ``torch.flip``. With ``rows``, an unpadded, unmirrored cut reads
+    the windows from ``x`` in place (no gather of whole samples); otherwise the rows are
+    gathered first.
     """
+    if rows is not None:
+        if flip is None and not (padding is not None and any(padding)) and x.is_contiguous():
+            return _cut(x, offset, tuple(size), sd, rows, mirror_rows)
+        x = torch.index_select(x, 0, rows)
     n = x.shape[0]
     spatial = tuple(x.shape[x.ndim - sd:])
     mid = x.shape[1:x.ndim - sd]
@@ -123,11 +133,23 @@ def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: 
         else:
             sample[fidx] = torch.arange(n, n + fidx.numel(), device=dev)
         last = torch.where(flip, (padded[-1] - size[-1]) - last, last)
+    out = _cut(src, torch.cat([offset[:, :-1], last.view(n, 1)], 1), size, sd, sample, mirror_rows)
+    return out.view(n, *mid, *size)
+
+
+def _cut(src: torch.Tensor, offset: torch.Tensor, size: tuple[int, ...], sd: int, sample: torch.Tensor,
+         mirror_rows: torch.Tensor | None) -> torch.Tensor:
+    """The windows at ``offset`` (N, sd) of rows ``sample`` (N,) of the contiguous ``src``
+    ``(rows, ..., *spatial)``: one ``index_select`` of contiguous runs (see ``window_crop``)."""
+    n, dev = sample.numel(), src.device
+    spatial = tuple(src.shape[src.ndim - sd:])
+    mid = src.shape[1:src.ndim - sd]
+    m = math.prod(mid)
     # Start of every output row: the sample's window corner plus a fixed grid over the folded
     # lead/channel dim and every spatial dim but the last.
-    strides = [math.prod(padded[d + 1:]) for d in range(sd)]
-    plane = math.prod(padded)
-    corner = sample * (m * plane) + last
+    strides = [math.prod(spatial[d + 1:]) for d in range(sd)]
+    plane = math.prod(spatial)
+    corner = sample * (m * plane) + offset[:, -1]
     for d in range(sd - 1):
         corner = corner + offset[:, d] * strides[d]
     starts = corner.view(n, 1) + _row_grid(m, plane, size[:-1], strides[:-1], dev).view(1, -1)
@@ -237,10 +259,11 @@ class RandomCrop(BatchTransform):
         def crop(fill: float):
             # The padding is written into the crop's source buffer, not materialised by F.pad.
             if flip is None:
-                return lambda x: keep_format(window_crop(x, offset, size, sd, None, pad, fill), x)
-            return lambda x: keep_format(flip_window(x, offset, size, sd, flip, flip_dims, pad, fill), x)
+                return lambda x, rows: keep_format(window_crop(x, offset, size, sd, None, pad, fill, rows=rows), x)
+            return lambda x, rows: keep_format(
+                flip_window(x, offset, size, sd, flip, flip_dims, pad, fill, rows=rows), x)
 
-        return batch.map(image=crop(self.fill), mask=crop(0))
+        return batch.map_rows(image=crop(self.fill), mask=crop(0))
 
     def _apply_list(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None) -> Batch:
         """Each group of samples is placed, padded, on one canvas; the windows are cut from it."""
@@ -274,6 +297,11 @@ class RandomCropByLabel(BatchTransform):
     centre correction), so the drawn voxel stays inside the window but is not always its
     centre. The same window is cut from every image and mask field; ``other`` passes through.
 
+    From the ``device`` loader, whose store is whole on the device, the windows are cut from
+    the store (no whole sample is copied), and the label's per-block counts are computed
+    once per store, at the first batch (one pass over every label), then kept: each batch
+    then reads one block of 1024 voxels per sample of its label, not the whole label.
+
     Args:
         size: Window size: an int for every spatial dim, (h, w) or (d, h, w); at most the
             input's size.
@@ -290,6 +318,34 @@ class RandomCropByLabel(BatchTransform):
         if not isinstance(label, str) or not label:
             raise ValueError(f"label must name the label field, got {label!r}")
         self.label = label
+        # Per store label (by identity, checked through a weak reference and its version):
+        # the foreground voxels per block of every row. Never pickled (see __getstate__).
+        self._counts: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_counts"] = {}  # weak references do not pickle; a copy recounts on first use
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_counts", {})
+
+    def _store_counts(self, whole: torch.Tensor, voxels: int) -> torch.Tensor:
+        """(rows, blocks) foreground voxels per block of every row of the store label ``whole``,
+        computed once (in slices of about 64 MB) and kept while ``whole`` lives unchanged."""
+        hit = self._counts.get(id(whole))
+        if hit is not None and hit[0]() is whole and hit[1] == whole._version:
+            return hit[2]
+        step = max(1, (64 << 20) // max(1, whole[:1].numel()))
+        counts = torch.cat([_block_counts(_pad_blocks(_foreground(whole[a:a + step], voxels)))
+                            for a in range(0, whole.shape[0], step)])
+        live = {k: v for k, v in self._counts.items() if v[0]() is not None}
+        if len(live) >= 4:  # a few stores at most (train, a re-setup): drop the oldest
+            live.pop(next(iter(live)))
+        live[id(whole)] = (weakref.ref(whole), whole._version, counts)
+        self._counts = live
+        return counts
 
     def window_size(self, batch: Batch) -> tuple[int, ...]:
         """The window's size, one entry per spatial dim of ``batch``."""
@@ -302,14 +358,21 @@ class RandomCropByLabel(BatchTransform):
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
         """``center`` (the drawn voxel), ``offset`` (the window's corner), both int64
         (N, spatial dims), and ``foreground`` (bool (N,): the centre is a foreground voxel)."""
-        if self.label not in batch.fields or batch.kinds[self.label] == "other":
+        if batch.kinds.get(self.label, "other") == "other":
             raise ValueError(f"RandomCropByLabel(label={self.label!r}) needs an image or mask field of that name; "
                              f"the batch has {batch.kinds}")
         size = self.window_size(batch)
         spatial = batch.spatial_size
-        lab = batch.fields[self.label]
+        voxels, p_fg = math.prod(spatial), self.pos / (self.pos + self.neg)
         u = batch.keys.uniform(0, 2, dtype=torch.float64)
-        flat, use_fg = draw_voxels(_foreground(lab, math.prod(spatial)), u, self.pos / (self.pos + self.neg))
+        rows = batch.stored_rows()
+        if rows is None:
+            flat, use_fg = draw_voxels(_foreground(batch.fields[self.label], voxels), u, p_fg)
+        else:
+            # From the store: the kept block counts, and one block of each sample's label.
+            whole = batch.whole(self.label)
+            counts = self._store_counts(whole, voxels).index_select(0, rows)
+            flat, use_fg = _draw(counts, voxels, u, p_fg, lambda blk: _store_block(whole, rows, blk, voxels))
         center = _unravel(flat, spatial)
         half = const([s // 2 for s in size], flat.device, torch.int64)
         top = const([s - c for s, c in zip(spatial, size, strict=True)], flat.device, torch.int64)
@@ -323,11 +386,12 @@ class RandomCropByLabel(BatchTransform):
         (``Compose`` fuses a following ``RandomFlip`` this way)."""
         size, sd = self.window_size(batch), batch.spatial_dims
         if flip is None:
-            crop = lambda x: keep_format(window_crop(x, offset, size, sd), x)  # noqa: E731
+            crop = lambda x, rows: keep_format(window_crop(x, offset, size, sd, rows=rows), x)  # noqa: E731
         else:
             flips = flip.view(-1, 1) if flip.ndim == 1 else flip
-            crop = lambda x: keep_format(flip_window(x, offset, size, sd, flips, flip_dims), x)  # noqa: E731
-        return batch.map(image=crop, mask=crop)
+            crop = lambda x, rows: keep_format(  # noqa: E731
+                flip_window(x, offset, size, sd, flips, flip_dims, rows=rows), x)
+        return batch.map_rows(image=crop, mask=crop)
 
 
 #: Windows of at least this many elements per sample are mirrored along the last axis after
@@ -350,26 +414,28 @@ def mirror_last_(x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
 
 
 def flip_window(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: int, flip: torch.Tensor,
-                dims: Sequence[int], padding: Sequence[int] | None = None, fill: float = 0) -> torch.Tensor:
+                dims: Sequence[int], padding: Sequence[int] | None = None, fill: float = 0,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
     """``window_crop`` with each sample mirrored along ``dims`` (negative spatial axes) where
-    ``flip`` (bool (N, len(dims))) is set: bit-identical to the crop, then ``torch.flip``.
+    ``flip`` (bool (N, len(dims))) is set: bit-identical to the crop, then ``torch.flip``;
+    ``rows`` as in ``window_crop``.
 
     Mirroring along an axis before the last only reverses the order the window's rows are
     read in (the same pass); the last axis is mirrored in the cut for small windows and
     after it for large ones (``MIRROR_AFTER_ELEMENTS``).
     """
     dims = tuple(dims)
-    rows = None
+    mirror = None
     if any(d != -1 for d in dims):
-        # Column j of ``rows`` is spatial axis j (all but the last); axes not in dims stay False.
+        # Column j of ``mirror`` is spatial axis j (all but the last); axes not in dims stay False.
         cols = [flip[:, dims.index(d - sd)] if d - sd in dims else torch.zeros_like(flip[:, 0])
                 for d in range(sd - 1)]
-        rows = torch.stack(cols, 1)
+        mirror = torch.stack(cols, 1)
     last = flip[:, dims.index(-1)] if -1 in dims else None
     per_sample = math.prod(x.shape[1:x.ndim - sd]) * math.prod(size)
     if last is None or per_sample < MIRROR_AFTER_ELEMENTS:
-        return window_crop(x, offset, size, sd, last, padding, fill, rows)
-    out = window_crop(x, offset, size, sd, None, padding, fill, rows)
+        return window_crop(x, offset, size, sd, last, padding, fill, mirror, rows=rows)
+    out = window_crop(x, offset, size, sd, None, padding, fill, mirror, rows=rows)
     if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         out = out.clone()  # mirrored in place below: never the caller's input
     return mirror_last_(out, last)
@@ -417,11 +483,36 @@ def draw_voxels(fg: torch.Tensor, u: torch.Tensor, p_fg: float) -> tuple[torch.T
     30-50x slower on the CPU). On the device, no host sync, no loop over samples.
     """
     n, voxels = fg.shape
-    nb = -(-voxels // _BLOCK)
-    pad = nb * _BLOCK - voxels
-    if pad:
-        fg = torch.nn.functional.pad(fg, (0, pad))  # padding counts as neither set (see below)
+    fg = _pad_blocks(fg)
+    nb = fg.shape[1] // _BLOCK
     counts = _block_counts(fg)  # (N, nb) foreground voxels per block
+    rows = torch.arange(n, device=fg.device) * nb
+    return _draw(counts, voxels, u, p_fg, lambda blk: fg.view(n * nb, _BLOCK).index_select(0, rows + blk))
+
+
+def _pad_blocks(fg: torch.Tensor) -> torch.Tensor:
+    """(N, V) bool padded with False to whole blocks: (N, nb * _BLOCK)."""
+    pad = -fg.shape[1] % _BLOCK
+    return torch.nn.functional.pad(fg, (0, pad)) if pad else fg  # padding counts as neither set (see _draw)
+
+
+def _store_block(whole: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, voxels: int) -> torch.Tensor:
+    """(N, _BLOCK) bool: block ``blk[i]`` of the foreground of row ``rows[i]`` of the store label
+    ``whole`` (voxels past the last are False, as ``_pad_blocks`` pads)."""
+    n = rows.numel()
+    flat = whole.reshape(whole.shape[0], -1, voxels)
+    vox = blk.view(n, 1) * _BLOCK + torch.arange(_BLOCK, device=blk.device).view(1, _BLOCK)
+    channels = torch.arange(flat.shape[1], device=blk.device).view(1, -1, 1)
+    vals = flat[rows.view(n, 1, 1), channels, vox.clamp(max=voxels - 1).view(n, 1, _BLOCK)]
+    return _foreground(vals, _BLOCK) & (vox < voxels)
+
+
+def _draw(counts: torch.Tensor, voxels: int, u: torch.Tensor, p_fg: float,
+          block: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw_voxels`` from the per-block foreground counts (N, nb) of ``voxels`` voxels per
+    sample; ``block(blk)`` gives block ``blk[i]`` of sample i's foreground, (N, _BLOCK) bool."""
+    n, nb = counts.shape
+    pad = nb * _BLOCK - voxels
     count_fg = counts.sum(1)
     count_bg = voxels - count_fg
     want_fg = u[:, 0] < p_fg
@@ -437,8 +528,7 @@ def draw_voxels(fg: torch.Tensor, u: torch.Tensor, p_fg: float) -> tuple[torch.T
     blk = torch.searchsorted(running, (k + 1).view(n, 1))
     before = (running.gather(1, blk) - per_block.gather(1, blk)).view(n)
     blk = blk.view(n)
-    inner = fg.view(n * nb, _BLOCK).index_select(0, torch.arange(n, device=fg.device) * nb + blk)
-    chosen = inner == use_fg.view(n, 1)
+    chosen = block(blk) == use_fg.view(n, 1)
     # Within the block, the (k - before)-th chosen voxel. A background draw in the last block
     # never reaches its padding: the padding sits after the block's real voxels, and
     # k - before is below their count.

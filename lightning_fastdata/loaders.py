@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_fastdata._lightning import shutdown_dataloader_workers
-from lightning_fastdata.placement import HostSource, Source, as_tensor
+from lightning_fastdata.augment_base import StoreRows
+from lightning_fastdata.placement import DeviceSource, HostSource, Source, as_tensor
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch, gather_host
 from lightning_fastdata.seeding import derive_seed
 from lightning_fastdata.structure import unflatten
@@ -367,17 +368,31 @@ class IndexLoader(_Loader):
             when ``ahead > 0``); must return a :class:`FastBatch`.
         ahead: Batches prepared ahead in a background thread; 0 prepares each batch when it
             is asked for, in the caller's thread.
+        defer: Positions of the fields ``prepare`` receives as
+            :class:`~lightning_fastdata.augment_base.StoreRows` (the whole field and the
+            batch's rows) instead of gathered: a ``prepare`` that starts with a crop cuts the
+            windows from the store directly. A :class:`~lightning_fastdata.placement.DeviceSource`
+            and a ``prepare`` are needed; ``prepare`` must return gathered values.
     """
 
     def __init__(self, source: Source, order: ShardedOrder, spec: dict, names: list[str],
-                 prepare: Callable[[FastBatch], FastBatch] | None = None, ahead: int = 0) -> None:
+                 prepare: Callable[[FastBatch], FastBatch] | None = None, ahead: int = 0,
+                 defer: frozenset[int] = frozenset()) -> None:
         super().__init__(order)
         if source.n != order.n:
             raise ValueError(f"the source has {source.n} rows, the order expects {order.n}")
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"ahead must be an int >= 0, got {ahead!r}")
+        defer = frozenset(defer)
+        if defer:
+            if prepare is None:
+                raise ValueError("defer needs a prepare that gathers the deferred rows (StoreRows) it is given")
+            allowed = source.deferrable() if isinstance(source, DeviceSource) else frozenset()
+            if not defer <= allowed:
+                raise ValueError(f"defer names fields {sorted(defer - allowed)} that this {source.kind} source "
+                                 f"cannot hand out as rows (it can: {sorted(allowed)})")
         self.source, self.spec, self.names = source, spec, names
-        self.prepare, self.ahead = prepare, ahead
+        self.prepare, self.ahead, self.defer = prepare, ahead, defer
         self.device = source.device
 
     def indices(self, epoch: int | None = None) -> torch.Tensor:
@@ -386,11 +401,18 @@ class IndexLoader(_Loader):
 
     def _produce(self, start: int) -> Iterator[FastBatch]:
         epoch, prepare = self.order.epoch, self.prepare
-        batches = self.source.batches(self.order.indices(), self.order.batch_size, start)
+        extra = {"defer": self.defer} if self.defer else {}
+        batches = self.source.batches(self.order.indices(), self.order.batch_size, start, **extra)
         try:
             for b, (leaves, sel) in enumerate(batches, start):
                 batch = FastBatch(leaves, self.spec, self.names, sel, epoch, b)
-                yield prepare(batch) if prepare is not None else batch
+                if prepare is None:
+                    yield batch
+                    continue
+                out = prepare(batch)
+                if self.defer:  # rows a prepare left untouched are gathered: none leave the loader
+                    out.leaves = [v.gather() if isinstance(v, StoreRows) else v for v in out.leaves]
+                yield out
         finally:
             batches.close()  # the source's finally runs here, in the producing thread
 

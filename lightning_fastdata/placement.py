@@ -45,13 +45,14 @@ import torch
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata._util import cpu_count, fmt_bytes
+from lightning_fastdata.augment_base import StoreRows
 from lightning_fastdata.plan import LEVELS, Plan, fall_back
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch, RaggedField, gather_host
 from lightning_fastdata.shared import Segment, share_stores, worker_headroom
 from lightning_fastdata.store import Store
 
 #: A batch leaf: a tensor, or a ragged field's batch.
-Leaf = torch.Tensor | RaggedBatch
+Leaf = torch.Tensor | RaggedBatch | StoreRows
 
 _NAMES = {v: k for k, v in LEVELS.items()}
 
@@ -237,16 +238,19 @@ class Source:
         """
         raise NotImplementedError
 
-    def batches(self, order: torch.Tensor, batch_size: int, start: int = 0
+    def batches(self, order: torch.Tensor, batch_size: int, start: int = 0, defer: frozenset[int] = frozenset()
                 ) -> Iterator[tuple[list[Leaf], torch.Tensor]]:
         """``(leaves, indices)`` of the batches cut from ``order`` (CPU int64), from batch ``start``.
 
-        ``indices`` is the batch's slice of ``order``, on :attr:`device`.
+        ``indices`` is the batch's slice of ``order``, on :attr:`device`. ``defer``: positions
+        of fields to hand out as :class:`~lightning_fastdata.augment_base.StoreRows`, not
+        gathered (a :class:`DeviceSource` only, see :meth:`DeviceSource.gather`).
         """
         on_device = order.to(self.device, non_blocking=True)
+        extra = {"defer": defer} if defer else {}
         for b in range(start, math.ceil(order.numel() / batch_size)):
             sel = on_device[b * batch_size:(b + 1) * batch_size]
-            yield self.gather(order[b * batch_size:(b + 1) * batch_size], sel), sel
+            yield self.gather(order[b * batch_size:(b + 1) * batch_size], sel, **extra), sel
 
     @property
     def nbytes(self) -> int:
@@ -267,7 +271,8 @@ def _check_rows(fields: list[Any]) -> None:
 
 
 class DeviceSource(Source):
-    """Every field whole on the device; a batch is one ``index_select`` per field.
+    """Every field whole on the device; a batch is one ``index_select`` per field (or, for an
+    augmentation that starts with a crop, the field and the batch's rows: see :meth:`gather`).
 
     Args:
         fields: One tensor per field, ``(n, *sample_shape)``, on the device, or a
@@ -291,18 +296,28 @@ class DeviceSource(Source):
         """Copy host arrays onto ``device`` (see :func:`place_fields`)."""
         return cls(place_fields(arrays, device), device)
 
-    def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None) -> list[Leaf]:
+    def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None,
+               defer: frozenset[int] = frozenset()) -> list[Leaf]:
+        """As :meth:`Source.gather`; the fixed-shape fields at positions ``defer`` come as
+        :class:`~lightning_fastdata.augment_base.StoreRows` (the whole field and the rows, no
+        copy), for an augmentation that cuts its windows from the store (see ``IndexLoader``)."""
         idx = on_device if on_device is not None else indices.to(self.device, non_blocking=True)
         host = None
         out: list[Leaf] = []
-        for f in self.fields:
+        for k, f in enumerate(self.fields):
             if isinstance(f, RaggedField):
                 if host is None:
                     host = indices if indices.device.type == "cpu" else indices.cpu()
                 out.append(f.gather(host, idx))
+            elif k in defer:
+                out.append(StoreRows(f, idx))
             else:
                 out.append(torch.index_select(f, 0, idx))
         return out
+
+    def deferrable(self) -> frozenset[int]:
+        """Positions of the fields :meth:`gather` can hand out as rows (the fixed-shape ones)."""
+        return frozenset(k for k, f in enumerate(self.fields) if isinstance(f, torch.Tensor))
 
     @property
     def nbytes(self) -> int:

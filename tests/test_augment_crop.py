@@ -4,6 +4,7 @@ torchvision per sample; RandomCropByLabel's centres, windows and foreground shar
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from _augment_util import (  # noqa: F401
 from torchvision.transforms.v2 import functional as TF
 
 from lightning_fastdata import augment as A
+from lightning_fastdata.augment_base import StoreRows
 from lightning_fastdata.augment_crop import window_crop
 
 
@@ -478,3 +480,90 @@ def test_crop_by_label_refuses_bad_setups():
     batch = A.Batch({"image": img, "label": torch.zeros(2, 8, 8)}, {"image": "image", "label": "mask"})
     with pytest.raises(ValueError, match="larger than the input"):
         A.RandomCropByLabel(9)(batch)
+
+
+# ----------------------------------------------------------------------------- windows cut from the store
+
+
+def _label_store(rows, channels, spatial, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lab = (torch.rand((rows, channels, *spatial), generator=g) < 0.03).to(dtype)
+    lab[0] = 0  # no foreground: its centre comes from the background
+    lab[1] = 1  # no background
+    return lab
+
+
+@pytest.mark.parametrize("spatial,channels,dtype", [((37, 41, 23), 1, torch.uint8), ((20, 30, 40), 2, torch.int16),
+                                                    ((33, 17), 3, torch.float32)])
+@pytest.mark.usefixtures("both_paths")
+def test_windows_cut_from_store_rows_equal_those_of_the_gathered_batch(spatial, channels, dtype, monkeypatch):
+    """The device loader hands a crop-first pipeline the store's rows (StoreRows): the windows cut
+    from the store, and the centres drawn from the kept label counts, are those of the gathered batch.
+    Voxel counts that are not whole blocks, multi-channel labels, rows without foreground or
+    background, repeated rows, and ops that cannot read rows (they get them gathered)."""
+    store_rows = 7
+    img = _batch((store_rows, 2, *spatial), torch.float32, seed=1)
+    lab = _label_store(store_rows, channels, spatial, dtype, seed=2)
+    size = tuple(max(1, s // 2) for s in spatial)
+    axes = tuple(range(-len(spatial), 0))
+    pipelines = [
+        A.RandomCropByLabel(size, pos=1, neg=1),
+        A.Compose([A.RandomCropByLabel(size, pos=3, neg=1), A.RandomFlip(dims=axes)]),
+        A.Compose([A.RandomCrop(size), A.RandomFlip(dims=(-1,))]),
+        A.Compose([A.RandomCrop(size, padding=2), A.RandomFlip(dims=axes)]),  # padded: gathered first
+        A.Compose([A.RandomFlip(dims=axes), A.RandomCropByLabel(size)]),  # the flip reads them gathered
+    ]
+    kinds = {"image": "image", "label": "mask"}
+    g = torch.Generator().manual_seed(3)
+    gathered = []
+    real_gather = StoreRows.gather
+    monkeypatch.setattr(StoreRows, "gather", lambda self: gathered.append(1) or real_gather(self))
+    for p, pipeline in enumerate(pipelines):
+        for epoch in range(4):
+            rows = torch.randint(0, store_rows, (6,), generator=g)
+            k = A.SampleKeys(1, epoch, rows)
+            deferred = A.Batch({"image": StoreRows(img, rows), "label": StoreRows(lab, rows)}, kinds, k)
+            assert deferred.stored_rows() is rows
+            gathered.clear()
+            out = pipeline(deferred)
+            if p < 3:  # these cut from the store: no whole sample is copied
+                assert not gathered, pipeline
+            ref = pipeline(A.Batch({"image": img[rows], "label": lab[rows]}, kinds, k))
+            for name in kinds:
+                assert torch.equal(out.fields[name], ref.fields[name]), (pipeline, epoch, name)
+
+
+def test_the_kept_label_counts_follow_the_store_label():
+    """The per-block counts kept for a store label are recomputed when that label changes in
+    place, are not reused for another label, and are not pickled."""
+    lab = torch.zeros(3, 1, 30, 40, dtype=torch.uint8)
+    lab[:, 0, 5, 7] = 1
+    rows = torch.tensor([0, 1, 2])
+    op = A.RandomCropByLabel(3, pos=1, neg=0)
+    kinds = {"label": "mask"}
+
+    def centres(store):
+        batch = A.Batch({"label": StoreRows(store, rows)}, kinds, A.SampleKeys(0, 0, rows), spatial_dims=2)
+        return op.draw(batch)["center"].tolist()
+
+    assert centres(lab) == [[5, 7]] * 3
+    lab[1, 0, 5, 7] = 0
+    lab[1, 0, 20, 33] = 1  # edited in place: the kept counts are stale
+    assert centres(lab) == [[5, 7], [20, 33], [5, 7]]
+    other = torch.zeros_like(lab)
+    other[:, 0, 29, 39] = 1
+    assert centres(other) == [[29, 39]] * 3
+    copy = pickle.loads(pickle.dumps(op))
+    assert copy._counts == {} and repr(copy) == repr(op)
+    assert copy.draw(A.Batch({"label": StoreRows(lab, rows)}, kinds, A.SampleKeys(0, 0, rows),
+                             spatial_dims=2))["center"].tolist() == [[5, 7], [20, 33], [5, 7]]
+
+
+def test_reading_a_batchs_fields_gathers_its_store_rows():
+    store = torch.arange(5 * 1 * 4 * 4, dtype=torch.float32).view(5, 1, 4, 4)
+    rows = torch.tensor([4, 0, 4])
+    batch = A.Batch({"image": StoreRows(store, rows)}, {"image": "image"}, A.SampleKeys(0, 0, rows))
+    assert batch.spatial_size == (4, 4) and len(batch) == 3 and "StoreRows" not in repr(batch)
+    assert torch.equal(batch.fields["image"], store[rows]) and batch.stored_rows() is None
+    with pytest.raises(ValueError, match=r"StoreRows needs 1-D rows on the tensor's device"):
+        StoreRows(store, rows.view(3, 1))

@@ -441,3 +441,40 @@ def test_augment_ahead_auto_prepares_between_steps_on_a_cpu_run(tmp_path):
                         train_augment=_aug(), augment_ahead=2)
     dm.setup("fit")
     assert dm.train_dataloader().ahead == 2
+
+
+class _Segmentation(TinyDataModule):
+    """Images with a mask (the pixels > 127 of their first channel)."""
+
+    def static_transform(self, sample):
+        x, y = sample
+        return {"image": x, "mask": (x[:1] > 127).to(torch.uint8), "label": y}
+
+
+def test_a_crop_first_pipeline_cuts_from_the_device_store_with_the_same_pixels(tmp_path):
+    """With the store whole on the device and a pipeline that starts with a crop, the loader hands
+    the image and mask as rows of the store (not gathered): every sample comes out as the
+    workers strategy (gathered, then augmented) makes it."""
+    aug = A.Compose([A.RandomCropByLabel(5, pos=2, neg=1, label="mask"), A.RandomFlip(dims=(-2, -1)),
+                     A.Normalize([0.5] * 3, [0.25] * 3)])
+    out = {}
+    for strategy in ("device", "workers"):
+        dm = _Segmentation(n=24, batch_size=5, cache_dir=str(tmp_path / "c"), strategy=strategy, device="cpu",
+                           num_workers=0, val=False, field_kinds={"image": "image", "mask": "mask"},
+                           train_augment=aug)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        if strategy == "device":
+            assert loader.defer == frozenset({0, 1})  # image and mask; the label is gathered
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                b = dm.augment_batch(batch)
+                for k, i in enumerate(batch.indices.tolist()):
+                    out.setdefault(strategy, {})[(epoch, i)] = (b["image"][k], b["mask"][k], b["label"][k])
+        dm.teardown("fit")
+    assert len(out["device"]) == 2 * 24 and out["device"].keys() == out["workers"].keys()
+    for key, (img, mask, label) in out["device"].items():
+        ref = out["workers"][key]
+        assert img.shape == (3, 5, 5) and torch.equal(img, ref[0]) and torch.equal(mask, ref[1]), key
+        assert label == ref[2]

@@ -250,3 +250,31 @@ def test_batches_prepared_ahead_in_a_thread_equal_those_prepared_inline(ahead):
     threaded.prepare = boom
     with pytest.raises(RuntimeError, match="prepare failed on purpose"):
         list(threaded)
+
+
+def test_deferred_fields_reach_prepare_as_store_rows_and_never_leave_the_loader():
+    from lightning_fastdata.augment_base import StoreRows
+    from lightning_fastdata.loaders import IndexLoader
+    from lightning_fastdata.placement import DeviceSource
+
+    store = Store.from_arrays({"x": np.arange(10 * 6, dtype=np.float32).reshape(10, 1, 2, 3),
+                               "y": np.arange(10, dtype=np.int64)})
+    source = DeviceSource.from_arrays(list(store.fields), "cpu")
+    seen = []
+
+    def prepare(batch):  # hands the rows back untouched: the loader gathers them
+        seen.append([type(v).__name__ for v in batch.leaves])
+        return batch
+
+    order = ShardedOrder(10, 4, shuffle=True, seed=1)
+    loader = IndexLoader(source, order, store.spec, names_of(store), prepare=prepare, defer=frozenset({0}))
+    plain = device_loader(store, ShardedOrder(10, 4, shuffle=True, seed=1))
+    for got, want in zip(loader, plain, strict=True):
+        assert all(isinstance(v, torch.Tensor) for v in got.leaves)
+        assert torch.equal(got.leaves[0], want.leaves[0]) and torch.equal(got.leaves[1], want.leaves[1])
+    assert seen == [["StoreRows", "Tensor"]] * 3
+    assert isinstance(source.gather(torch.tensor([1]), defer=frozenset({0}))[0], StoreRows)
+    with pytest.raises(ValueError, match="defer needs a prepare"):
+        IndexLoader(source, order, store.spec, names_of(store), defer=frozenset({0}))
+    with pytest.raises(ValueError, match=r"defer names fields \[2\] that this device source cannot hand out"):
+        IndexLoader(source, order, store.spec, names_of(store), prepare=prepare, defer=frozenset({2}))
