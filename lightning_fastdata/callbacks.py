@@ -113,7 +113,11 @@ class FastDataCallback(Callback):
 
     def _seed_loader(self, trainer: L.Trainer, dataloader: object) -> None:
         seed = _base_seed(trainer)
-        if install_worker_seeding(dataloader, seed, trainer.global_rank):
+        # The loop setting up this loader names its split (the sanity check's is "val"), so
+        # the validation workers do not replay the training workers' draws.
+        stage = trainer.state.stage
+        split = (stage.dataloader_prefix if stage is not None else None) or "train"
+        if install_worker_seeding(dataloader, seed, trainer.global_rank, split=split):
             set_worker_epoch(dataloader, trainer.current_epoch)
             self.seeded_loaders += 1
         reason = randomness_repeats(dataloader)

@@ -542,8 +542,8 @@ class OptimizedDataModule(L.LightningDataModule):
                      if prepare is not None else frozenset())
             return IndexLoader(source, order, store.spec, names, prepare=prepare,
                                ahead=self._ahead(source.device), defer=defer)
-        seeding = WorkerSeeding(self.seed, rank)
-        seeding.follow(order)  # workers seeded per (seed, rank, worker, epoch)
+        seeding = WorkerSeeding(self.seed, rank, split=split)
+        seeding.follow(order)  # workers seeded per (seed, split, rank, worker, epoch)
         loader_kw = dict(num_workers=plan.num_workers, pin_memory=plan.pin_memory,
                          prefetch_factor=plan.prefetch_factor, persistent_workers=plan.persistent_workers,
                          worker_init_fn=seeding)

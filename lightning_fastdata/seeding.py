@@ -5,10 +5,13 @@ Every random stream of the package comes from :func:`derive_seed`, built on nump
 independent streams, not shifted copies of one another.
 
 :class:`WorkerSeeding` is a ``worker_init_fn`` that seeds python ``random``, numpy and
-torch in each worker from (seed, global rank, worker id, epoch), then calls the user's own
-``worker_init_fn``. The epoch lives in a one-element shared-memory tensor that the main
-process writes (``set_epoch``) and every worker reads, so persistent workers, which are
-started once, still reseed at their first fetch of each new epoch.
+torch in each worker from (seed, split, global rank, worker id, epoch), then calls the
+user's own ``worker_init_fn``. The split (``"train"``, ``"val"`` ...) keeps the workers of
+the training and the evaluation loaders apart: without it, worker 0 of the validation
+loader would replay the draws of worker 0 of the training loader in the same epoch.
+The epoch lives in a one-element shared-memory tensor that the main process writes
+(``set_epoch``) and every worker reads, so persistent workers, which are started once,
+still reseed at their first fetch of each new epoch.
 """
 
 from __future__ import annotations
@@ -79,6 +82,15 @@ def seed_libraries(seed: int) -> None:
     np.random.seed(words[4:8])
 
 
+def _worker_stream(stream: str, split: str) -> str:
+    """The :func:`derive_seed` stream of ``split``'s workers.
+
+    The training loader keeps the bare stream name, so training workers draw what they
+    drew before splits were seeded apart; every other split gets a stream of its own.
+    """
+    return stream if split == "train" else f"{stream}/{split}"
+
+
 # Worker-process state: the active seeding, this worker's id, and the epoch last seeded.
 # Module globals are per process, so every worker has its own.
 _WORKER: dict[str, Any] = {}
@@ -86,7 +98,7 @@ _UNSET = -1
 
 
 class WorkerSeeding:
-    """A ``worker_init_fn`` seeding ``random``, numpy and torch per (seed, rank, worker, epoch).
+    """A ``worker_init_fn`` seeding ``random``, numpy and torch per (seed, split, rank, worker, epoch).
 
     Call :meth:`set_epoch` in the main process before each epoch's iteration starts (or let
     :meth:`follow` do it from a sampler's ``set_epoch``); workers, persistent ones included,
@@ -99,6 +111,10 @@ class WorkerSeeding:
         rank: Global rank of this process.
         user_fn: The user's own ``worker_init_fn``, called after the seeding.
         epoch: Initial epoch (None: not set yet).
+        split: Which loader the workers serve (``"train"``, ``"val"``, ``"test"``,
+            ``"predict"``, or e.g. ``"val/1"`` for a second validation loader). Loaders of
+            different splits draw unrelated streams even at the same seed, rank, worker and
+            epoch; the same split draws the same streams on every rerun.
     """
 
     def __init__(
@@ -107,6 +123,7 @@ class WorkerSeeding:
         rank: int = 0,
         user_fn: Callable[[int], None] | None = None,
         epoch: int | None = None,
+        split: str = "train",
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
@@ -116,10 +133,19 @@ class WorkerSeeding:
             raise TypeError(f"user_fn must be callable, got {type(user_fn).__name__}")
         if isinstance(user_fn, WorkerSeeding):
             raise ValueError("user_fn is already a WorkerSeeding; install the seeding only once")
-        self.seed, self.rank, self.user_fn = seed, rank, user_fn
+        if not isinstance(split, str) or not split:
+            raise ValueError(
+                f"split must be a non-empty str naming the loader ('train', 'val', 'test', "
+                f"'predict'), got {split!r}"
+            )
+        self.seed, self.rank, self.user_fn, self.split = seed, rank, user_fn, split
         # Shared memory: a write in the main process is seen by workers that already run.
-        self._epoch = torch.full((1,), _UNSET if epoch is None else int(epoch), dtype=torch.int64)
+        self._epoch = torch.full((1,), _UNSET, dtype=torch.int64)
         self._epoch.share_memory_()
+        if epoch is not None:
+            # Checked like set_epoch: -1 would silently mean "unset", and any other negative
+            # value would only fail later, inside a worker.
+            self.set_epoch(epoch)
         self.followed = False
 
     @property
@@ -158,13 +184,17 @@ class WorkerSeeding:
         if epoch is None:
             return derive_seed(
                 self.seed,
-                stream="worker-unset-epoch",
+                stream=_worker_stream("worker-unset-epoch", self.split),
                 rank=self.rank,
                 worker=worker_id,
                 step=base_seed,
             )
         return derive_seed(
-            self.seed, stream="worker", rank=self.rank, worker=worker_id, epoch=epoch
+            self.seed,
+            stream=_worker_stream("worker", self.split),
+            rank=self.rank,
+            worker=worker_id,
+            epoch=epoch,
         )
 
     def _reseed(self) -> None:
@@ -190,8 +220,8 @@ class WorkerSeeding:
 
     def __repr__(self) -> str:
         return (
-            f"WorkerSeeding(seed={self.seed}, rank={self.rank}, epoch={self.epoch}, "
-            f"user_fn={self.user_fn!r})"
+            f"WorkerSeeding(seed={self.seed}, rank={self.rank}, split={self.split!r}, "
+            f"epoch={self.epoch}, user_fn={self.user_fn!r})"
         )
 
 
@@ -263,7 +293,7 @@ def _torch_loader(dataloader: Any) -> DataLoader | None:
     return inner if isinstance(inner, DataLoader) else None
 
 
-def install_worker_seeding(dataloader: Any, seed: int, rank: int) -> bool:
+def install_worker_seeding(dataloader: Any, seed: int, rank: int, split: str = "train") -> bool:
     """Install :class:`WorkerSeeding` as ``dataloader.worker_init_fn``, chaining the user's.
 
     Nothing is installed in a loader without workers, or one already seeded by this
@@ -274,6 +304,9 @@ def install_worker_seeding(dataloader: Any, seed: int, rank: int) -> bool:
         dataloader: A ``torch.utils.data.DataLoader`` (or the package's ``WorkerLoader``).
         seed: Base seed, identical on every rank.
         rank: Global rank of this process.
+        split: Which loader this is (``"train"``, ``"val"``, ``"test"``, ``"predict"``, or
+            e.g. ``"val/1"``): give each loader of a run its own, or the workers of two
+            loaders draw the same numbers (see :class:`WorkerSeeding`).
 
     Returns:
         Whether the seeding was installed.
@@ -281,7 +314,7 @@ def install_worker_seeding(dataloader: Any, seed: int, rank: int) -> bool:
     dl = _torch_loader(dataloader)
     if dl is None or dl.num_workers == 0 or isinstance(dl.worker_init_fn, WorkerSeeding):
         return False
-    seeding = WorkerSeeding(seed, rank, user_fn=dl.worker_init_fn)
+    seeding = WorkerSeeding(seed, rank, user_fn=dl.worker_init_fn, split=split)
     for sampler in (
         getattr(dl, "sampler", None),
         getattr(getattr(dl, "batch_sampler", None), "sampler", None),

@@ -324,6 +324,35 @@ def test_callback_seeds_plain_dataloader_workers_per_epoch(tmp_path, persistent)
     assert not torch.equal(w0, w1)  # workers differ
 
 
+def test_validation_workers_do_not_replay_the_training_workers_draws(tmp_path):
+    class Both(_DrawsModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.val_draws: list[torch.Tensor] = []
+
+        def validation_step(self, batch, batch_idx):
+            self.val_draws.append(batch.clone())
+
+    class DM(L.LightningDataModule):
+        seed = 7
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_Draws(), batch_size=2, num_workers=1)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(_Draws(), batch_size=2, num_workers=1)
+
+    model = Both()
+    cb = FastDataCallback(print_report=False)
+    L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
+              callbacks=[cb]).fit(model, DM())
+    assert cb.seeded_loaders == 2
+    train, val = torch.cat(model.draws), torch.cat(model.val_draws)
+    assert train.shape == val.shape == (8, 4)
+    assert not torch.isin(val[:, :2], train[:, :2]).any()  # same worker, epoch and seed: other draws
+
+
 def test_callback_keeps_user_worker_init_fn_and_warns_on_held_generator(tmp_path):
     import warnings
 

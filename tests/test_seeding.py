@@ -154,6 +154,29 @@ class UserDraw(Dataset):
         )
 
 
+def _split_draws(split: str | None, seed: int = 4, epoch: int = 2) -> torch.Tensor:
+    dl = _loader(Draws(2), 2, persistent=False)
+    kw = {} if split is None else {"split": split}
+    assert S.install_worker_seeding(dl, seed=seed, rank=0, **kw)
+    S.set_worker_epoch(dl, epoch)
+    return torch.stack([v for _, v in sorted(_epoch_by_worker(dl).items())])
+
+
+def test_train_and_validation_workers_draw_different_streams():
+    # The same seed, rank, worker ids and epoch: only the split tells the loaders apart.
+    # Without it a dataset that generates its samples (or noise) from the RNG validates on
+    # exactly the samples it trained on.
+    train, val = _split_draws("train"), _split_draws("val")
+    assert not torch.isin(train, val).any(), "validation workers replayed the training draws"
+    assert not torch.isin(val, _split_draws("val/1")).any(), "two validation loaders drew the same"
+    assert torch.equal(val, _split_draws("val")), "a rerun of the validation loader drew differently"
+    # The training loader (the default split) keeps its seeds.
+    assert torch.equal(train, _split_draws(None))
+    seeding = S.WorkerSeeding(4, split="val")
+    assert seeding.worker_seed(0, 2) != S.WorkerSeeding(4).worker_seed(0, 2)
+    assert "split='val'" in repr(seeding)
+
+
 def test_user_worker_init_fn_still_runs_after_the_seeding():
     dl = _loader(UserDraw(), 2, persistent=False, worker_init_fn=_user_fn)
     assert S.install_worker_seeding(dl, seed=5, rank=2)
@@ -195,6 +218,15 @@ def test_seeding_rejects_bad_values():
         S.WorkerSeeding(0).set_epoch(-1)
     with pytest.raises(TypeError, match="set_epoch"):
         S.WorkerSeeding(0).follow(object())
+    # The initial epoch is checked as set_epoch checks it: -1 used to mean "unset" silently,
+    # and -2 only failed inside a worker.
+    for bad in (-1, -2, True):
+        with pytest.raises(ValueError, match=f"epoch must be an int >= 0, got {bad!r}"):
+            S.WorkerSeeding(0, epoch=bad)
+    assert S.WorkerSeeding(0, epoch=3).epoch == 3 and S.WorkerSeeding(0).epoch is None
+    for bad in ("", None, 1):
+        with pytest.raises(ValueError, match=f"split must be a non-empty str .*got {bad!r}"):
+            S.WorkerSeeding(0, split=bad)
 
 
 class HoldsRng(Dataset):
@@ -270,6 +302,17 @@ def _datamodule_epochs(tmp_path: Path) -> list[torch.Tensor]:
     # Shut the persistent workers down now, so they remove their temporary files within the test.
     loader.close()
     return out
+
+
+def test_datamodule_train_and_val_workers_are_seeded_apart(tmp_path):
+    from _helpers import TinyDataModule
+
+    dm = TinyDataModule(n=8, store=False, strategy="workers", num_workers=1, batch_size=4,
+                        cache_dir=str(tmp_path / "cache"))
+    dm.setup("fit")
+    train, val = dm.train_dataloader().dataloader.worker_init_fn, dm.val_dataloader().dataloader.worker_init_fn
+    assert (train.split, val.split) == ("train", "val")
+    assert train.worker_seed(0, epoch=0) != val.worker_seed(0, epoch=0)
 
 
 def test_datamodule_worker_loader_seeds_per_epoch(tmp_path):
