@@ -350,7 +350,9 @@ class SampleKeys:
         u = self.uniform(slot, dtype=torch.float64)
         span = high - low
         if isinstance(span, torch.Tensor):
-            out = torch.floor(u * span.to(torch.float64)).long()
+            # Clamped below too, as the int path is: where span < 0, floor(u * span) is negative
+            # and would land the draw below ``low`` instead of on it.
+            out = torch.floor(u * span.to(torch.float64)).long().clamp_(min=0)
             return torch.minimum(out, (span - 1).clamp_(min=0).long()).add_(low)
         out = torch.floor(u * float(span)).long()
         return out.clamp_(min=0, max=max(int(span) - 1, 0)).add_(low)

@@ -198,6 +198,19 @@ def test_randint_is_uniform_and_respects_per_sample_bounds():
         assert counts.numel() == high and all(abs(c - n / high) < 5 * math.sqrt(n / high) for c in counts.tolist())
 
 
+def test_randint_with_an_empty_range_gives_low_for_tensor_bounds_too(engine):
+    # Documented: where high <= low the result is low. A tensor bound below low (an empty
+    # range, e.g. a window larger than its image) used to give values below low.
+    n = 1000
+    keys = SampleKeys(0, 0, torch.arange(n))
+    low = torch.full((n,), 5)
+    for got in (keys.randint(0, 5, torch.full((n,), 2)), keys.randint(0, low, 2), keys.randint(0, low, low - 3)):
+        assert torch.equal(got, low), (got.min().item(), got.max().item())
+    mixed = keys.randint(1, 0, torch.tensor([-4, 0, 1, 3] * (n // 4)))
+    assert bool((mixed[0::4] == 0).all() and (mixed[1::4] == 0).all() and (mixed[2::4] == 0).all())
+    assert bool(((mixed[3::4] >= 0) & (mixed[3::4] < 3)).all())
+
+
 def test_for_batch_and_children():
     k = SampleKeys.for_batch(4, "cpu", seed=2, epoch=1)
     assert torch.equal(k.index, torch.arange(4)) and len(k) == 4 and k.device.type == "cpu"
