@@ -1,14 +1,16 @@
 """Replay mode: the compute-only step time, on batches captured on the device, with no loader involved.
 
 After training, the first few training batches (as the step received them: on the device,
-augmented) are replayed for a number of optimisation steps; the model, optimizer and RNG
-states are restored afterwards, so the trained model is unchanged.
+augmented) are replayed for a number of optimisation steps; the model, optimizer, LR
+scheduler and RNG (torch, CUDA, numpy, python ``random``) states are restored afterwards,
+so the trained model, and whatever runs after the fit, are unchanged.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,7 +57,14 @@ class Replay:
         optimizers = list(trainer.optimizers)
         model_state = copy.deepcopy(pl_module.state_dict())
         opt_states = [copy.deepcopy(o.state_dict()) for o in optimizers]
+        # A manually optimised step may step its schedulers itself: without this, a checkpoint
+        # saved after the fit would resume with the scheduler ahead of the optimizer's lr.
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs
+                      if callable(getattr(config.scheduler, "load_state_dict", None))]
+        scheduler_states = [copy.deepcopy(s.state_dict()) for s in schedulers]
         cpu_rng = torch.get_rng_state()
+        # A step may draw from numpy or python random too (mixup's np.random.beta).
+        np_rng, py_rng = np.random.get_state(), random.getstate()
         cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
         patched = {name: getattr(pl_module, name) for name in ("log", "log_dict")}
         # self.log outside the loop has no result collection to write to; replay logs nothing.
@@ -83,7 +92,11 @@ class Replay:
             for opt, state in zip(optimizers, opt_states, strict=True):
                 opt.load_state_dict(state)
                 opt.zero_grad(set_to_none=True)
+            for scheduler, state in zip(schedulers, scheduler_states, strict=True):
+                scheduler.load_state_dict(state)
             torch.set_rng_state(cpu_rng)
+            np.random.set_state(np_rng)
+            random.setstate(py_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
         step_s = total / self.steps if cuda else float(np.median(times))
