@@ -14,6 +14,7 @@ This module imports nothing from the package.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,19 @@ T = TypeVar("T")
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _LOCK = threading.Lock()
 _LOCAL = threading.local()
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's pools have no threads there (a task submitted to one
+    would wait forever, e.g. under Lightning's ``ddp_fork``), and the lock may have been
+    held by another thread at the fork. Start afresh; the child makes its own pools."""
+    global _LOCK
+    _POOLS.clear()
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _start(barrier: threading.Barrier) -> None:

@@ -25,8 +25,9 @@ def lead_shape(xs: Sequence[torch.Tensor], sd: int, field: str) -> tuple[int, ..
     for i, x in enumerate(xs):
         if tuple(x.shape[:-sd]) != lead:
             raise ValueError(f"field {field!r}: sample {i} has shape {tuple(x.shape)} and sample 0 "
-                             f"{tuple(xs[0].shape)}; only the spatial size may vary within a list field (decode "
-                             "JPEGs in RGB mode so that every image has 3 channels)")
+                             f"{tuple(xs[0].shape)}; only the spatial size may vary within a list field (give "
+                             "every sample the same channels in the dataset, e.g. x.expand(3, -1, -1) for a "
+                             "grayscale image: JPEG fields keep the 1 or 3 channels of the tensors stored)")
     return lead
 
 

@@ -163,12 +163,56 @@ def _decode_cpu(decode: Callable[..., object], items: list[torch.Tensor], thread
                     [t.numel() for t in items], default_threads() if threads is None else threads)
 
 
+#: SOF markers (start of frame: baseline, progressive, lossless, arithmetic); C4, C8 and CC
+#: are other segments in the same range.
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _components(data: torch.Tensor) -> int | None:
+    """The number of colour components a JPEG's frame header declares (1 gray, 3 YCbCr/RGB,
+    4 CMYK/YCCK), or None where the header cannot be read (the decoder then says why).
+
+    Reads only the markers before the frame header, skipping each segment by its length.
+    """
+    b = data.numpy()
+    n = b.shape[0]
+    if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
+        return None
+    i = 2
+    while i + 3 < n:
+        if b[i] != 0xFF:
+            return None
+        marker = int(b[i + 1])
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+            continue
+        if marker in _SOF:
+            return int(b[i + 9]) if i + 9 < n else None
+        if marker == 0xDA or marker == 0xD9:  # scan or end before any frame header
+            return None
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        i += 2 + (int(b[i + 2]) << 8 | int(b[i + 3]))
+    return None
+
+
 def _decode_cuda(decode: Callable[..., object], items: list[torch.Tensor], device: torch.device,
                  indices: Sequence[int] | torch.Tensor | None, gray: list[bool]) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(items)
+    # torchvision's nvJPEG path does not decode 4-component (CMYK/YCCK) JPEGs (its own tests
+    # mark them xfail): one in a batch would fail the whole batched call, or give wrong colours.
+    # Those few (about 22 of ImageNet's 1.28M) go to libjpeg-turbo, which converts them to RGB
+    # as PIL does, and are copied to the device.
+    rest = []
+    for i, t in enumerate(items):
+        if _components(t) == 4:
+            out[i] = _decode_one(decode, items, i, indices, gray).to(device, non_blocking=True)
+        else:
+            rest.append(i)
     try:
-        for mode in sorted(set(gray)):  # one batched call per mode
-            rows = [i for i, g in enumerate(gray) if g == mode]
+        for mode in sorted({gray[i] for i in rest}):  # one batched call per mode
+            rows = [i for i in rest if gray[i] == mode]
             for i, image in zip(rows, decode([items[i] for i in rows], device, mode), strict=True):  # type: ignore[call-overload]
                 out[i] = image
     except RuntimeError as err:

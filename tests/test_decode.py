@@ -106,3 +106,32 @@ def test_cuda_decodes_the_batch_in_one_call_to_the_cpu_pixels():
     for a, b in zip(out, cpu, strict=True):
         assert a.device.type == "cuda" and a.shape == b.shape
         assert (a.cpu().int() - b.int()).abs().max() <= 3  # nvJPEG's IDCT differs from libjpeg-turbo's
+
+
+def test_the_frame_header_names_cmyk_jpegs_for_the_cpu_decoder():
+    """nvJPEG (torchvision's CUDA path) does not decode 4-component JPEGs; the header scan that
+    sends them to libjpeg-turbo instead reads the component count past EXIF, ICC and
+    progressive headers, and gives None (the decoder then says why) for what is not a JPEG."""
+    from lightning_fastdata.decode import _components
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    for mode, want in (("L", 1), ("RGB", 3), ("CMYK", 4)):
+        arr = np.zeros((30, 40, want), dtype=np.uint8)
+        for kwargs in ({}, {"progressive": True}, {"exif": exif.tobytes()}, {"icc_profile": b"x" * 70000}):
+            buf = io.BytesIO()
+            Image.fromarray(arr[..., 0] if want == 1 else arr, mode=mode).save(buf, "JPEG", **kwargs)
+            assert _components(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)) == want
+    assert _components(torch.zeros(64, dtype=torch.uint8)) is None
+    assert _components(_jpeg()[:20]) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (nvJPEG)")
+def test_cuda_decodes_a_batch_with_a_cmyk_jpeg_in_order():
+    data = [_jpeg(seed=0), _jpeg("CMYK", seed=1), _jpeg("L", seed=2), _jpeg(seed=3)]
+    out = decode_jpegs(data, "cuda", indices=[10, 11, 12, 13])
+    cpu = decode_jpegs(data, "cpu")
+    for a, b in zip(out, cpu, strict=True):
+        assert a.device.type == "cuda" and a.shape == b.shape
+        assert (a.cpu().int() - b.int()).abs().max() <= 3
+    assert torch.equal(out[1].cpu(), _pil_rgb(data[1]))  # libjpeg-turbo decoded it: bit-equal to PIL

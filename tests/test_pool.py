@@ -65,3 +65,31 @@ def test_list_ops_give_the_same_pixels_on_one_or_two_threads():
                 assert torch.equal(one, two)
     finally:
         torch.set_num_threads(before)
+
+
+def _names_of_threads(part: range) -> list[str]:
+    return [threading.current_thread().name for _ in part]
+
+
+def _use_the_pool_in_a_child(out) -> None:
+    out.put(map_runs(_names_of_threads, [1, 1], threads=2))
+
+
+def test_a_forked_child_gets_pools_of_its_own():
+    """The parent's pool threads do not exist in a forked child (Lightning's ddp_fork, a
+    notebook): the child's first use makes its own pool instead of waiting forever."""
+    import multiprocessing as mp
+
+    map_runs(_names_of_threads, [1, 1], threads=2)  # the parent's pool exists now
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_use_the_pool_in_a_child, args=(out,))
+    child.start()
+    try:
+        names = out.get(timeout=30)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
+    assert child.exitcode == 0 and len(names) == 2 and all(n.startswith("fastdata-cpu2") for n in names)
