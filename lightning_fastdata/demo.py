@@ -746,6 +746,31 @@ def _fresh_cache(parent: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}demo-cache-{os.getpid()}-", dir=parent))
 
 
+def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a data, cache or JSON path the demo cannot write, naming its option, before any run.
+
+    Found later, the folder would fail as a bare traceback, and ``--json-out`` only after
+    every run had been made (and its figures lost).
+    """
+    folders = [("--data-dir", Path(args.data_dir)),
+               ("--cache-dir", Path(args.cache_dir) if args.cache_dir else Path(args.data_dir) / "cache")]
+    if args.json_out:
+        out = Path(args.json_out)
+        if out.is_dir():
+            p.error(f"--json-out {out} is a folder; give a file name, e.g. {out / 'demo.json'}")
+        folders.append(("--json-out", out.parent))
+    for option, folder in folders:  # every check that creates nothing first
+        if folder.exists() and not folder.is_dir():
+            p.error(f"{option} {folder} is a file, not a folder")
+    for option, folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):  # can files be created there? (removed on close)
+                pass
+        except OSError as e:
+            p.error(f"{option}: cannot write into {folder}: {e.strerror or e}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: see ``python -m lightning_fastdata.demo --help``."""
     p = argparse.ArgumentParser(
@@ -786,6 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.num_workers is not None and args.num_workers < 0:
         p.error(f"--num-workers must be >= 0, got {args.num_workers}")
+    _check_paths(p, args)
     _quiet()
     sizes = SIZES["quick" if args.quick else "full"]
     work_dir = Path(args.data_dir)

@@ -208,3 +208,18 @@ def test_quick_demo_end_to_end(tmp_path):
 def test_bad_num_workers_is_refused(tmp_path):
     proc = run_demo(tmp_path, "--quick", "--num-workers", "-1", "--data-dir", str(tmp_path / "data"))
     assert proc.returncode == 2 and "--num-workers must be >= 0, got -1" in proc.stderr
+
+
+def test_unusable_paths_are_refused_before_any_run(tmp_path):
+    """A path the demo cannot write is an error naming its option at once, not a traceback
+    (or, for --json-out, a failure after every run was made)."""
+    (tmp_path / "afile").write_text("")
+    for args, said in (
+        (("--data-dir", "afile"), "--data-dir afile is a file, not a folder"),
+        (("--json-out", "."), "--json-out . is a folder; give a file name"),
+        (("--json-out", "afile/result.json"), "--json-out afile is a file, not a folder"),
+    ):
+        proc = run_demo(tmp_path, "--quick", *args)
+        assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no dataset written, no run made

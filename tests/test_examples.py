@@ -194,6 +194,41 @@ def test_volumes_generator_writes_an_msd_layout(tmp_path):
 
 
 @needs_nibabel
+def test_volumes_generator_never_writes_over_folders_it_did_not_leave(tmp_path):
+    # root pointed at the user's own MSD-style data that lacks a dataset.json: their scans stay.
+    root = tmp_path / "mine"
+    for folder in ("imagesTr", "labelsTr"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "patient_7.nii.gz").write_bytes(b"the user's scan")
+    with pytest.raises(ValueError, match="holds imagesTr and labelsTr but no dataset.json"):
+        MV.make_volumes(root, cases=2, size=16)
+    assert all((root / f / "patient_7.nii.gz").read_bytes() == b"the user's scan" for f in ("imagesTr", "labelsTr"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # refused before writing anything
+    # Folders an interrupted run of the generator left (its marker beside them) are replaced.
+    (root / MV.PARTIAL).touch()
+    MV.make_volumes(root, cases=2, size=16)
+    assert MV.is_complete(root) and not (root / MV.PARTIAL).exists()
+    assert sorted(p.name for p in (root / "imagesTr").iterdir()) == ["case_000.nii.gz", "case_001.nii.gz"]
+
+
+@needs_nibabel
+def test_volumes_datamodule_refuses_a_generated_set_drawn_with_other_parameters(tmp_path):
+    root = str(tmp_path / "set")
+    assert len(Volumes(root=root, cases=3, val_cases=1, size=16).source("train")) == 2
+    # --data.cases 4 on the folder of 3 generated cases: an error that says so, not 2 training cases.
+    with pytest.raises(ValueError, match=r"drawn with \{'cases': 3, 'size': 16, 'seed': 0\}, not \{'cases': 4"):
+        Volumes(root=root, cases=4, val_cases=1, size=16).source("train")
+    with pytest.raises(ValueError, match="drawn with"):
+        Volumes(root=root, cases=3, val_cases=1, size=16, data_seed=1).source("train")
+    # generate=False takes the folder as it is; so does generate=True for a set it did not draw (an MSD task).
+    assert len(Volumes(root=root, generate=False, cases=9, val_cases=1, size=16).source("train")) == 2
+    meta = json.loads((tmp_path / "set" / "dataset.json").read_text())
+    del meta["generator"], meta["parameters"]
+    (tmp_path / "set" / "dataset.json").write_text(json.dumps(meta))
+    assert len(Volumes(root=root, cases=9, val_cases=1, size=16).source("train")) == 2
+
+
+@needs_nibabel
 def test_volumes_static_transform_reorients_resamples_and_clips(tmp_path):
     size = 32
     root = MV.make_volumes(tmp_path / "set", cases=3, size=size, seed=0)

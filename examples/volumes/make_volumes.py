@@ -42,6 +42,8 @@ AIR_HU, TISSUE_HU, BONE_HU = -1000, 40, 700
 NOISE_HU = 20.0
 #: Marks a dataset.json written by this generator (a real MSD task has none).
 GENERATOR = "lightning_fastdata examples/volumes/make_volumes.py v1"
+#: In ``root`` while this generator moves its folders in: they are its own, safe to replace.
+PARTIAL = ".make_volumes-partial"
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,10 @@ def make_volumes(root: str | os.PathLike, cases: int = 24, size: int = 64, seed:
     The files are written into a temporary folder next to ``root`` and moved into place
     with the dataset.json last, so an interrupted run never leaves a set that looks
     complete. A complete set already in ``root`` is kept if it was drawn with the same
-    parameters; with other parameters it is an error (it is never overwritten).
+    parameters; with other parameters it is an error (it is never overwritten). Nor is an
+    ``imagesTr``/``labelsTr`` folder without a dataset.json, unless an interrupted run of
+    this generator left it (its ``.make_volumes-partial`` file says so): it may hold the
+    user's own scans.
 
     Args:
         root: The dataset folder.
@@ -153,7 +158,8 @@ def make_volumes(root: str | os.PathLike, cases: int = 24, size: int = 64, seed:
         verbose: Print a line when writing.
 
     Raises:
-        ValueError: for a bad ``cases`` or ``size``, or a complete set drawn otherwise.
+        ValueError: for a bad ``cases`` or ``size``, a complete set drawn otherwise, or
+            ``imagesTr``/``labelsTr`` folders this generator did not leave.
     """
     import nibabel as nib
 
@@ -170,6 +176,14 @@ def make_volumes(root: str | os.PathLike, cases: int = 24, size: int = 64, seed:
             raise ValueError(f"{root} holds a generated set drawn with {drawn}, not {params}; "
                              "pass another folder, or delete this one")
         return root
+    partial = root / PARTIAL
+    ours = [f for f in ("imagesTr", "labelsTr") if (root / f).exists()]
+    if ours and not partial.exists():
+        # Without dataset.json these may be the user's own scans (root pointed at their
+        # data): replacing them would delete them. Only an interrupted run of ours is swept.
+        raise ValueError(f"{root} holds {' and '.join(ours)} but no dataset.json, and they were not left by this "
+                         "generator: not writing over them. Add their dataset.json (MSD layout), or give an "
+                         "empty or new folder to generate into")
     root.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
         print(f"writing {cases} generated cases ({size}^3 at 1.5 mm) into {root}")
@@ -188,6 +202,9 @@ def make_volumes(root: str | os.PathLike, cases: int = 24, size: int = 64, seed:
                 nib.save(img, tmp / folder / name)
             training.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
         root.mkdir(exist_ok=True)
+        # Marks the folders below as ours until dataset.json is in place, so that a run
+        # interrupted between the moves is swept by the next one instead of refused.
+        partial.touch()
         for folder in ("imagesTr", "labelsTr"):
             if (root / folder).exists():
                 shutil.rmtree(root / folder)  # an interrupted earlier run's files (no dataset.json)
@@ -198,6 +215,7 @@ def make_volumes(root: str | os.PathLike, cases: int = 24, size: int = 64, seed:
                 "generator": GENERATOR, "parameters": params}
         (tmp / "dataset.json").write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(tmp / "dataset.json", root / "dataset.json")
+        partial.unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root

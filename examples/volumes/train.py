@@ -7,9 +7,11 @@ Segmentation Decathlon layout, a synthetic set written into ``data.root`` on fir
 its field kinds (the label is a mask), the augmentations run batched on the device
 (label-centred crops, flips, quarter turns, intensity window and jitter), the model
 (``unet3d.UNet3D``) and the Trainer's callbacks. Any value can be overridden on the
-command line, e.g. ``--data.cases 48 --data.size 96 --trainer.max_epochs 30``;
-``--print_config`` shows the full, validated configuration. The modules next to this
-script are importable by their names because Python puts this folder on ``sys.path``.
+command line, e.g. ``--data.root volumes_96 --data.cases 48 --data.size 96 --trainer.max_epochs 30``
+(a new root: a generated set is never redrawn in place, and one drawn with other
+``cases``/``size``/``data_seed`` is an error); ``--print_config`` shows the full, validated
+configuration. The modules next to this script are importable by their names because
+Python puts this folder on ``sys.path``.
 """
 
 from __future__ import annotations

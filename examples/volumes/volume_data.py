@@ -152,16 +152,27 @@ class Volumes(OptimizedDataModule):
         self.size, self.spacing, self.hu_range, self.data_seed = size, tuple(spacing), tuple(hu_range), data_seed
 
     def dataset_path(self) -> Path:
-        """``root``, with the synthetic set written first when it has no dataset.json and ``generate``."""
-        root = Path(self.root)
-        if not (root / "dataset.json").is_file():
-            if not self.generate:
-                raise FileNotFoundError(f"{root / 'dataset.json'} does not exist; point root at an MSD-style "
-                                        "folder, or pass generate=True to write a synthetic set there")
-            from make_volumes import make_volumes
+        """``root``, with the synthetic set written first when it has no dataset.json and ``generate``.
 
-            make_volumes(root, self.cases, self.size, self.data_seed, verbose=True)
-        return root
+        With ``generate``, a set this example generated earlier must have been drawn with
+        this module's ``cases``, ``size`` and ``data_seed``, else ``ValueError`` says which
+        differ: otherwise ``--data.cases 48`` on a folder of 24 generated cases would train
+        on the 24 without a word. A folder that the generator did not write (an MSD task)
+        is used as it is.
+        """
+        root = Path(self.root)
+        meta = root / "dataset.json"
+        if not self.generate:
+            if not meta.is_file():
+                raise FileNotFoundError(f"{meta} does not exist; point root at an MSD-style "
+                                        "folder, or pass generate=True to write a synthetic set there")
+            return root
+        from make_volumes import GENERATOR, make_volumes
+
+        if meta.is_file() and json.loads(meta.read_text()).get("generator") != GENERATOR:
+            return root  # an MSD task: used as it is
+        # Also for a complete generated set: make_volumes checks it was drawn with these parameters.
+        return make_volumes(root, self.cases, self.size, self.data_seed, verbose=True)
 
     def _pairs(self, split: str) -> list[tuple[str, str]]:
         root = self.dataset_path()
