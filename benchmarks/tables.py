@@ -307,7 +307,7 @@ def callback_overhead(results: Path) -> str:
 
 
 @table("other_cpu", "chunked_vs_device_cpu.json", "augment_throughput.json", "callback_overhead.json",
-       "callback_instructions.json", "null_model_epoch.json")
+       "callback_instructions.json", "null_model_epoch.json", "volumes.json", "jpeg.json")
 def other_cpu(results: Path) -> str:
     """One row per smaller benchmark on the development machine, with its command."""
     chunked = _load(results, "chunked_vs_device_cpu.json")
@@ -315,6 +315,8 @@ def other_cpu(results: Path) -> str:
     cb = _load(results, "callback_overhead.json")
     ins = _load(results, "callback_instructions.json")
     null = _load(results, "null_model_epoch.json")
+    vol = _load(results, "volumes.json")
+    jpeg = _load(results, "jpeg.json")
     size = {"cifar": "CIFAR", "imagenet": "ImageNet"}
     ratios = " / ".join(f"{size.get(r['dataset'], r['dataset'])} {r['chunked_over_full']:.2f}"
                         for r in chunked["throughput"])
@@ -344,11 +346,32 @@ def other_cpu(results: Path) -> str:
          f"samples, batch {null['batch_size']}, crop + flip, against a loader that hands out one ready batch "
          "(median epoch after the first; the target was 1.3x)", _null_model(null),
          "`OMP_NUM_THREADS=1 python benchmarks/null_model_epoch.py`"],
+        [f"3-D volumes with masks ({vol['volumes']} x 1x{vol['side']}^3 int16, {vol['crop']}^3 label-centred crops "
+         f"+ flips + window + intensity scale, batch {vol['batch_size']}): the `device` strategy against MONAI's best "
+         "recipe on the same work (the target was 2x; [docs/volumes.md](docs/volumes.md))", _volumes_row(vol),
+         "`python benchmarks/volumes.py`"],
+        ["variable-size JPEGs (RandomResizedCrop(224) + flip) against a plain `ImageFolder` DataLoader at its best "
+         "`num_workers` (the target was 3x; [docs/jpeg.md](docs/jpeg.md))", _jpeg_row(jpeg),
+         "`python benchmarks/jpeg.py --threads 2`"],
     ]
     lines = _rows(["what", "figure", "command"], ["---", "---", "---"], rows)
     lines += ["", _source("chunked_vs_device_cpu.json", "augment_throughput.json", "callback_overhead.json",
-                          "callback_instructions.json", "null_model_epoch.json")]
+                          "callback_instructions.json", "null_model_epoch.json", "volumes.json", "jpeg.json")]
     return "\n".join(lines)
+
+
+def _volumes_row(d: dict[str, Any]) -> str:
+    ours = next(r for r in d["summary"] if r["loader"] == "lightning_fastdata device")
+    monai = max((r for r in d["summary"] if r["loader"].startswith("monai")), key=lambda r: r["samples_per_s"])
+    return (f"device {ours['samples_per_s']:,.0f} vs {monai['loader']} ({monai['settings']}) "
+            f"{monai['samples_per_s']:,.0f} samples/s: **{_ratio(ours['samples_per_s'] / monai['samples_per_s'])}**")
+
+
+def _jpeg_row(d: dict[str, Any]) -> str:
+    r = d["ratios"]
+    return (f"device at max_side=256: **{_ratio(r['device/256'])}**, at full size {_ratio(r['device/none'])}; "
+            f"workers {_ratio(r['workers/256'])} / {_ratio(r['workers/none'])}; the decode + resize kernels alone "
+            f"(the ceiling of any pipeline on them) {_ratio(r['kernels_256'])}")
 
 
 def _null_model(d: dict[str, Any]) -> str:
