@@ -662,7 +662,9 @@ def format_table(result: dict[str, Any]) -> str:
     ratios = speedups(result)
 
     def secs(v: float | None) -> str:
-        return "not measured" if v is None else f"{v:.2f} s"
+        # Three decimals: a speed-up recomputed from the printed times agrees with the one
+        # printed (from the unrounded times) to within 0.5%, not 3% as with two on 0.2 s epochs.
+        return "not measured" if v is None else f"{v:.3f} s"
 
     rows = [
         ("", "plain", "fastdata", "speed-up"),
@@ -673,7 +675,7 @@ def format_table(result: dict[str, Any]) -> str:
             _fmt_ratio(ratios["epoch_time"]),
         ),
         (
-            "samples/s (train)",
+            "samples/s (train samples / epoch time)",
             f"{plain['samples_per_s']:,.0f}",
             f"{fast['samples_per_s']:,.0f}",
             _fmt_ratio(ratios["samples_per_s"]),

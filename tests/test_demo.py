@@ -123,7 +123,7 @@ def test_table_says_losses_as_plainly_as_wins():
     rows = {line.strip().split("  ")[0]: line for line in table.splitlines()}
     assert rows["epoch time (last, train+val)"].endswith("2.00x")
     assert rows["whole fit, first run"].endswith("0.75x (slower)")
-    assert "2.50 s" in rows["of which prepare_data (cache build)"]
+    assert "2.500 s" in rows["of which prepare_data (cache build)"]
     assert rows["whole fit, cache reused"].endswith("2.00x")
     assert "0: 900 / 1: 1,200 / 2: 1,100; measured in 1.5 s" in table
     # A run that was not made is said so, not left out or guessed.
