@@ -289,6 +289,15 @@ def reclass_worker_dataset(dataset: Any, cls: type) -> None:
     dataset.__class__ = cls
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place write counter of ``t`` (bumped by every in-place op on it or a view of it).
+
+    ``Tensor._version``: undocumented; read and run on torch 2.14.1. Used to tell that a
+    cached statistic of a tensor (label block counts) no longer describes it.
+    """
+    return int(_attr(t, "_version", "the in-place write counter of a tensor", "torch"))
+
+
 # ---------------------------------------------------------------------- multiprocessing
 
 

@@ -112,7 +112,7 @@ class Batch:
     into batch tensors; other ops run once per sample on a list (and keep it a list).
     """
 
-    __slots__ = ("_fields", "kinds", "keys", "spatial_dims")
+    __slots__ = ("_held", "kinds", "keys", "spatial_dims")
 
     def __init__(self, fields: Mapping[str, Any], kinds: Mapping[str, str] | None = None,
                  keys: SampleKeys | None = None, spatial_dims: int | None = None) -> None:
@@ -130,7 +130,7 @@ class Batch:
                                  f"{sorted(fields)}")
             if kind not in KINDS:
                 raise ValueError(f"Batch field {name!r} has kind {kind!r}; kinds are {KINDS}")
-        self._fields, self.kinds = fields, kinds
+        self._held, self.kinds = fields, kinds
         self.spatial_dims = _infer_spatial_dims(fields, kinds) if spatial_dims is None else spatial_dims
         if self.spatial_dims not in (2, 3):
             raise ValueError(f"Batch spatial_dims must be 2 (H, W) or 3 (D, H, W), got {self.spatial_dims!r}")
@@ -145,7 +145,7 @@ class Batch:
         names = self.names("image", "mask")
         if not names:
             raise ValueError(f"Batch has no image or mask field to augment (kinds: {self.kinds})")
-        lists = [name for name in names if isinstance(self._fields[name], (list, tuple))]
+        lists = [name for name in names if isinstance(self._held[name], (list, tuple))]
         if lists:
             if len(lists) != len(names):
                 tensors = sorted(set(names) - set(lists))
@@ -155,7 +155,7 @@ class Batch:
         sd = self.spatial_dims
         ref: tuple[str, torch.Tensor] | None = None
         for name in names:
-            x = self._fields[name]
+            x = self._held[name]
             kind = self.kinds[name]
             if not isinstance(x, (torch.Tensor, StoreRows)):
                 raise TypeError(f"Batch field {name!r} ({kind}) is a {type(x).__name__}; image and mask fields "
@@ -208,7 +208,7 @@ class Batch:
     @property
     def fields(self) -> dict[str, Any]:
         """Field name -> value; rows not yet gathered (:class:`StoreRows`) are gathered first."""
-        f = self._fields
+        f = self._held
         if any(type(v) is StoreRows for v in f.values()):
             for name, v in f.items():
                 if type(v) is StoreRows:
@@ -217,14 +217,14 @@ class Batch:
 
     @fields.setter
     def fields(self, value: dict[str, Any]) -> None:
-        self._fields = value
+        self._held = value
 
     def stored_rows(self) -> torch.Tensor | None:
         """The rows every image and mask field is still to be gathered at (see :class:`StoreRows`),
         or None when any of them is a plain value."""
         rows = None
         for name in self.names("image", "mask"):
-            v = self._fields[name]
+            v = self._held[name]
             if type(v) is not StoreRows or (rows is not None and v.rows is not rows):
                 return None
             rows = v.rows
@@ -232,7 +232,7 @@ class Batch:
 
     def whole(self, name: str) -> torch.Tensor:
         """The whole field ``name`` that the batch's rows (:meth:`stored_rows`) index."""
-        v = self._fields[name]
+        v = self._held[name]
         if type(v) is not StoreRows:
             raise ValueError(f"Batch field {name!r} is not stored rows (see Batch.stored_rows)")
         return v.tensor
@@ -248,12 +248,12 @@ class Batch:
             fn = image if self.kinds[name] == "image" else mask
             if fn is None:
                 continue
-            out[name] = fn(self._fields[name].tensor, rows) if rows is not None else fn(self.fields[name], None)
+            out[name] = fn(self._held[name].tensor, rows) if rows is not None else fn(self.fields[name], None)
         return self.replace(out)
 
     def names(self, *kinds: str) -> list[str]:
         """The names of the fields of the given kinds, in field order."""
-        return [name for name in self._fields if self.kinds[name] in kinds]
+        return [name for name in self._held if self.kinds[name] in kinds]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -261,13 +261,13 @@ class Batch:
     @property
     def ragged(self) -> bool:
         """Whether the image and mask fields are lists of per-sample tensors (sizes may vary)."""
-        return isinstance(self._fields[self.names("image", "mask")[0]], list)
+        return isinstance(self._held[self.names("image", "mask")[0]], list)
 
     @property
     def spatial_size(self) -> Any:
         """(H, W) or (D, H, W) of the image and mask fields; for a ragged batch, a list with
         each sample's."""
-        first = self._fields[self.names("image", "mask")[0]]
+        first = self._held[self.names("image", "mask")[0]]
         if isinstance(first, list):
             return [tuple(x.shape[-self.spatial_dims:]) for x in first]
         return tuple(first.shape[-self.spatial_dims:])
@@ -275,7 +275,7 @@ class Batch:
     @property
     def device(self) -> torch.device:
         """The device of the image and mask fields."""
-        first = self._fields[self.names("image", "mask")[0]]
+        first = self._held[self.names("image", "mask")[0]]
         return first[0].device if isinstance(first, list) else first.device
 
     def sample(self, i: int, rows: torch.Tensor | None = None) -> Batch:
@@ -295,12 +295,12 @@ class Batch:
         """A new batch with some fields (same names) and/or the keys replaced."""
         out = Batch.__new__(Batch)
         out.kinds, out.spatial_dims, out.keys = self.kinds, self.spatial_dims, self.keys
-        out.fields = dict(self._fields)  # rows still to gather stay so (see StoreRows)
+        out.fields = dict(self._held)  # rows still to gather stay so (see StoreRows)
         if fields:
-            unknown = set(fields) - set(self._fields)
+            unknown = set(fields) - set(self._held)
             if unknown:
                 raise ValueError(f"Batch.replace got fields {sorted(unknown)} that the batch does not have")
-            out._fields.update(fields)
+            out._held.update(fields)
             n = out._check_fields()[0]
         else:
             n = len(self.keys)
@@ -323,7 +323,7 @@ class Batch:
     def __repr__(self) -> str:
         parts = ", ".join(
             f"{name}: {self.kinds[name]} {_describe(v)}"
-            for name, v in self._fields.items())
+            for name, v in self._held.items())
         return f"Batch({parts}; spatial_dims={self.spatial_dims}, keys={self.keys!r})"
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_fastdata._lightning import tensor_version
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
@@ -335,7 +336,7 @@ class RandomCropByLabel(BatchTransform):
         """(rows, blocks) foreground voxels per block of every row of the store label ``whole``,
         computed once (in slices of about 64 MB) and kept while ``whole`` lives unchanged."""
         hit = self._counts.get(id(whole))
-        if hit is not None and hit[0]() is whole and hit[1] == whole._version:
+        if hit is not None and hit[0]() is whole and hit[1] == tensor_version(whole):
             return hit[2]
         step = max(1, (64 << 20) // max(1, whole[:1].numel()))
         # int16 (a block holds at most _BLOCK = 1024 voxels): 2 bytes per 1024 voxels kept,
@@ -345,7 +346,7 @@ class RandomCropByLabel(BatchTransform):
         live = {k: v for k, v in self._counts.items() if v[0]() is not None}
         if len(live) >= 4:  # a few stores at most (train, a re-setup): drop the oldest
             live.pop(next(iter(live)))
-        live[id(whole)] = (weakref.ref(whole), whole._version, counts)
+        live[id(whole)] = (weakref.ref(whole), tensor_version(whole), counts)
         self._counts = live
         return counts
 
