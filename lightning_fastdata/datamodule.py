@@ -105,7 +105,7 @@ class OptimizedDataModule(L.LightningDataModule):
         persistent_workers: Keep workers across epochs ("auto", True, False).
         shuffle: Shuffle the training split every epoch.
         drop_last: Drop the last partial training batch (and truncate rank shards).
-        seed: Base seed of the sample order and of the augmentation (keyed per sample).
+        seed: Base seed of the sample order and of the augmentation (keyed per sample), in [0, 2**64).
         train_augment: Batched on-device transform for training batches.
         eval_augment: Batched on-device transform for val/test/predict batches.
         field_kinds: Kind of each field by name ("image", "mask" or "other"), e.g.
@@ -196,8 +196,9 @@ class OptimizedDataModule(L.LightningDataModule):
         _check_auto_int("prefetch_factor", prefetch_factor, 1)
         _check_auto_bool("pin_memory", pin_memory)
         _check_auto_bool("persistent_workers", persistent_workers)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            # Keys fold the seed modulo 2**64: seed 2**64 would replay seed 0's augmentation.
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         for name, aug in (("train_augment", train_augment), ("eval_augment", eval_augment)):
             if aug is not None and not callable(aug):
                 raise TypeError(f"{name} must be a callable transform (see lightning_fastdata.augment), "

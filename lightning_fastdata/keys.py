@@ -232,6 +232,8 @@ class SampleKeys:
         for name, value in (("seed", seed), ("stream", stream)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"SampleKeys {name} must be an int, got {value!r}")
+            if not 0 <= value < 1 << 64:  # folded modulo 2**64: a wider one would repeat a smaller one's draws
+                raise ValueError(f"SampleKeys {name} must be in [0, 2**64), got {value}")
         _check_epoch(epoch, index)
         self.seed, self.epoch, self.stream = seed, epoch, stream
         self.path = tuple(int(p) for p in path)

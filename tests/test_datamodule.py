@@ -69,6 +69,8 @@ def test_cache_key_and_loader_settings(cache_dir):
     (dict(num_workers=-2), "num_workers must be 'auto', 'measure' or an int >= 0, got -2"),
     (dict(shared_memory="yes"), "shared_memory"),
     (dict(train_augment=3), "train_augment must be a callable"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\), got -1"),
+    (dict(seed=1 << 64), r"seed must be an int in \[0, 2\*\*64\), got 18446744073709551616"),
 ])
 def test_bad_config_names_the_parameter(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

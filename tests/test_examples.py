@@ -103,6 +103,10 @@ def test_photos_are_jpegs_of_varying_sizes_written_once(tmp_path):
     stamp = files[0].stat().st_mtime_ns
     assert photos.write_photos(root, {"train": 3, "val": 1}, classes=3) == root  # reused as is
     assert files[0].stat().st_mtime_ns == stamp
+    (root / "cache").mkdir()  # the example's cache lives in the photos folder
+    with pytest.raises(ValueError, match=r"drawn with .*'classes': 3.*not .*'classes': 2.*another root"):
+        photos.write_photos(root, {"train": 3, "val": 1}, classes=2)
+    assert (root / "cache").is_dir() and files[0].stat().st_mtime_ns == stamp
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a photos dataset"):
@@ -138,6 +142,12 @@ def test_imagenet_like_fast_dev_run_fits_from_jpegs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(list((tmp_path / "photos").rglob("*.jpg"))) == 2 * (3 + 2)
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_imagenet_like_refuses_a_model_with_another_number_of_classes(tmp_path):
+    proc = _photos_cli(tmp_path, "--trainer.fast_dev_run=true", "--model.num_classes", "3")
+    assert proc.returncode != 0
+    assert "model.num_classes=3 but data.classes=2" in proc.stderr, proc.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- examples/volumes

@@ -225,6 +225,8 @@ def test_for_batch_and_children():
     (lambda: SampleKeys(0, 0, torch.zeros(2, 2, dtype=torch.long)), "1-D"),
     (lambda: SampleKeys(0, 0, [1, 2]), "1-D integer tensor"),
     (lambda: SampleKeys(True, 0, torch.arange(2)), "seed"),
+    (lambda: SampleKeys(1 << 64, 0, torch.arange(2)), r"seed must be in \[0, 2\*\*64\), got 18446744073709551616"),
+    (lambda: SampleKeys(0, 0, torch.arange(2), stream=-1), r"stream must be in \[0, 2\*\*64\), got -1"),
     (lambda: SampleKeys(0, 1.5, torch.arange(2)), "epoch"),
     (lambda: SampleKeys.for_batch(2).uniform(0, dtype=torch.float16), "float32 or torch.float64"),
 ])

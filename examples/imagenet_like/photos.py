@@ -71,8 +71,9 @@ def write_photos(root: str | os.PathLike, per_split: dict[str, int], classes: in
                  sides: tuple[int, int] = (200, 600), seed: int = 0, quality: int = 90) -> Path:
     """Write the photos once as ``<root>/<split>/class_<k>/<i>.jpg``; return ``root``.
 
-    A folder whose marker matches these settings is reused as is. The files are written to
-    a temporary folder beside ``root`` and published by one ``rename``.
+    A folder whose marker matches these settings is reused as is; one drawn with other
+    settings, or holding other files, is refused (never deleted). The files are written to a
+    temporary folder beside ``root`` and published by one ``rename``.
 
     Args:
         root: The dataset folder.
@@ -88,12 +89,17 @@ def write_photos(root: str | os.PathLike, per_split: dict[str, int], classes: in
                          f"got classes={classes}, per_split={per_split}, sides={sides}")
     expected = _expected(dict(per_split), classes, tuple(sides), seed, quality)
     try:
-        if json.loads((root / _MARKER).read_text()) == expected:
-            return root
+        drawn = json.loads((root / _MARKER).read_text())
     except (OSError, ValueError):
         if root.exists() and any(root.iterdir()):
             raise ValueError(f"{root} exists and is not a photos dataset (no {_MARKER}); give an empty or new "
                              "folder as root") from None
+    else:
+        if drawn == expected:
+            return root
+        # Never replaced: the folder may hold more than the photos (the example's cache lives in it).
+        raise ValueError(f"{root} holds photos drawn with {drawn}, not {expected}; pass another root, "
+                         "or delete this folder to draw them again")
     tmp = root.parent / f".{root.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     try:
         for split_no, (split, n) in enumerate(per_split.items()):
@@ -104,9 +110,7 @@ def write_photos(root: str | os.PathLike, per_split: dict[str, int], classes: in
                     rng = np.random.default_rng([seed, split_no, label, i])
                     draw_photo(label, classes, rng, sides).save(folder / f"{i:05d}.jpg", quality=quality)
         (tmp / _MARKER).write_text(json.dumps(expected))
-        if root.exists():
-            shutil.rmtree(root)  # empty, or photos drawn with other settings
-        os.rename(tmp, root)
+        os.rename(tmp, root)  # onto a missing or empty folder (checked above)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
@@ -179,6 +183,13 @@ class SmallNet(L.LightningModule):
                                  block(4 * width, 4 * width, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                                  nn.Linear(4 * width, num_classes))
         self.lr = lr
+
+    def on_fit_start(self) -> None:
+        """Refuse a data module with another number of classes (else cross-entropy fails on a label)."""
+        classes = getattr(self.trainer.datamodule, "classes", None)
+        if classes is not None and classes != self.hparams.num_classes:
+            raise ValueError(f"model.num_classes={self.hparams.num_classes} but data.classes={classes}: "
+                             "set both to the same number")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
