@@ -102,6 +102,27 @@ def ddp_exit_in_order(linger_s: float = 1.0) -> None:
             time.sleep(linger_s)
 
 
+def child_result(method: str, target: Any, args: tuple = (), timeout: float = 60) -> tuple[Any, int | None]:
+    """Run ``target(*args, queue)`` in a child process started by ``method``; return (the one
+    value it puts on the queue, its exit code). The child is always joined, and killed if it
+    outlives ``timeout`` (a hang fails the test instead of stalling the suite)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context(method)
+    queue = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=timeout)
+    finally:
+        child.join(timeout=timeout)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=30)
+        queue.close()
+    return got, child.exitcode
+
+
 def run_demo(cwd, *args: str) -> Any:
     """``python -m lightning_fastdata.demo *args`` in ``cwd``, one thread, this checkout first on the path."""
     import os

@@ -8,6 +8,7 @@ import threading
 
 import torch
 from _augment_util import keys, ragged
+from _helpers import child_result
 
 from lightning_fastdata import augment as A
 from lightning_fastdata._pool import map_runs, pool, runs
@@ -78,18 +79,6 @@ def _use_the_pool_in_a_child(out) -> None:
 def test_a_forked_child_gets_pools_of_its_own():
     """The parent's pool threads do not exist in a forked child (Lightning's ddp_fork, a
     notebook): the child's first use makes its own pool instead of waiting forever."""
-    import multiprocessing as mp
-
     map_runs(_names_of_threads, [1, 1], threads=2)  # the parent's pool exists now
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    child = ctx.Process(target=_use_the_pool_in_a_child, args=(out,))
-    child.start()
-    try:
-        names = out.get(timeout=30)
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-            child.join(timeout=10)
-    assert child.exitcode == 0 and len(names) == 2 and all(n.startswith("fastdata-cpu2") for n in names)
+    names, exitcode = child_result("fork", _use_the_pool_in_a_child, timeout=30)
+    assert exitcode == 0 and len(names) == 2 and all(n.startswith("fastdata-cpu2") for n in names)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import TinyDataModule
+from _helpers import TinyDataModule, child_result
 
 from lightning_fastdata import shared
 from lightning_fastdata.loaders import ShardedOrder, WorkerLoader
@@ -264,26 +264,15 @@ def _read_two_splits(train: np.ndarray, val: np.ndarray, queue) -> None:
 
 def test_a_spawned_process_maps_each_split_onto_its_own_segment():
     """All splits of one call share the job token; a spawned process must not mix their segments."""
-    import multiprocessing as mp
-
     segs = share_stores({"train": Store.from_arrays((np.full((64, 16), 1, np.uint8),), fingerprint="t" * 64),
                          "val": Store.from_arrays((np.full((8, 16), 2, np.uint8),), fingerprint="v" * 64)})
     train, val = segs["train"].arrays()[0], segs["val"].arrays()[0]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_read_two_splits, args=(train, val, queue))
-    child.start()
     try:
-        got = queue.get(timeout=120)
+        got, exitcode = child_result("spawn", _read_two_splits, (train, val), timeout=120)
     finally:
-        child.join(timeout=60)
-        if child.is_alive():
-            child.kill()
-            child.join(timeout=30)
-        queue.close()
         for seg in segs.values():
             seg.release()
-    assert child.exitcode == 0
+    assert exitcode == 0
     assert got == [([1, 1, 1, 1], (64, 16)), ([2, 2, 2, 2], (8, 16))]
 
 
