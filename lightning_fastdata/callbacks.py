@@ -73,6 +73,9 @@ class FastDataCallback(Callback):
         self.seed_workers = seed_workers
         self.seeded_loaders = 0
         self._warned_repeats = False
+        # Loaders of each split set up since that split's loop last started: a loop processes
+        # all its loaders, in order, then starts (see ``_seed_loader``).
+        self._loaders_set_up: dict[str, int] = {}
         self._process_dataloader: door.Site | None = None
         # Nothing of this callback runs per step (see DataWaitProfiler): Lightning does not even dispatch those hooks.
         door.hide_hooks(self, UNUSED_STEP_HOOKS, FastDataCallback)
@@ -83,6 +86,7 @@ class FastDataCallback(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Install worker seeding, then the profiler's timers."""
+        self._loaders_set_up.clear()
         self._install_worker_seeding(trainer)
         if self.profile:
             self.profiler.setup(trainer, pl_module, stage)
@@ -117,7 +121,13 @@ class FastDataCallback(Callback):
         # the validation workers do not replay the training workers' draws.
         stage = trainer.state.stage
         split = (stage.dataloader_prefix if stage is not None else None) or "train"
-        if install_worker_seeding(dataloader, seed, trainer.global_rank, split=split):
+        # A loop hands Lightning's strategy each of its loaders in order, before the loop's
+        # start hook (which resets the count): loader k > 0 of a split seeds its workers as
+        # "<split>/k", so two validation loaders' workers do not draw the same numbers.
+        position = self._loaders_set_up.get(split, 0)
+        self._loaders_set_up[split] = position + 1
+        name = split if position == 0 else f"{split}/{position}"
+        if install_worker_seeding(dataloader, seed, trainer.global_rank, split=name):
             set_worker_epoch(dataloader, trainer.current_epoch)
             self.seeded_loaders += 1
         reason = randomness_repeats(dataloader)
@@ -161,6 +171,7 @@ class FastDataCallback(Callback):
 
     def _epoch_start(self, trainer: L.Trainer) -> None:
         """``set_epoch`` and the workers' seeding epoch for the training epoch starting (or resuming) now."""
+        self._loaders_set_up.pop("train", None)  # the next reload counts from the first loader again
         if self.set_epoch:
             epoch = trainer.fit_loop.epoch_progress.current.processed
             loaders = _flatten(trainer.train_dataloader) + _flatten(trainer.val_dataloaders)
@@ -199,8 +210,15 @@ class FastDataCallback(Callback):
             self.profiler.on_fit_end(trainer, pl_module)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._loaders_set_up.pop("val", None)
         if self.profile:
             self.profiler.on_validation_start(trainer, pl_module)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._loaders_set_up.pop("test", None)
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._loaders_set_up.pop("predict", None)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.profile:

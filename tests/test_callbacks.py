@@ -353,6 +353,36 @@ def test_validation_workers_do_not_replay_the_training_workers_draws(tmp_path):
     assert not torch.isin(val[:, :2], train[:, :2]).any()  # same worker, epoch and seed: other draws
 
 
+def test_two_validation_loaders_draw_apart_and_the_same_at_every_validate(tmp_path):
+    class TwoVal(_DrawsModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.val_draws: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.val_draws[dataloader_idx].append(batch.clone())
+
+    class DM(L.LightningDataModule):
+        seed = 7
+
+        def val_dataloader(self):
+            return [torch.utils.data.DataLoader(_Draws(), batch_size=2, num_workers=1) for _ in range(2)]
+
+    model, cb = TwoVal(), FastDataCallback(print_report=False)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[cb])
+    runs = []
+    for _ in range(2):
+        trainer.validate(model, DM(), verbose=False)
+        runs.append({k: torch.cat(v) for k, v in model.val_draws.items()})
+        model.val_draws = {0: [], 1: []}
+    assert cb.seeded_loaders == 4
+    first, again = runs
+    assert first[0].shape == first[1].shape == (8, 4)
+    assert not torch.isin(first[1][:, :2], first[0][:, :2]).any()  # the second loader's workers: other draws
+    assert all(torch.equal(first[k], again[k]) for k in (0, 1))  # and the same ones at every validate
+
+
 def test_callback_keeps_user_worker_init_fn_and_warns_on_held_generator(tmp_path):
     import warnings
 
