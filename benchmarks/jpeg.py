@@ -161,7 +161,9 @@ def augment() -> A.Compose:
 
 def datamodule(root: Path, cache: Path, strategy: str, max_side: int | None, args: argparse.Namespace) -> Photos:
     n = args.images // CLASSES
-    return Photos(root=str(root), train_per_class=n, val_per_class=1, classes=CLASSES, batch_size=args.batch_size,
+    # The same photos the plain loader reads: the sides they were written with.
+    return Photos(root=str(root), train_per_class=n, val_per_class=1, classes=CLASSES, sides=tuple(args.sides),
+                  batch_size=args.batch_size,
                   encode={"image": "jpeg"}, max_side=max_side, strategy=strategy, device=args.device,
                   cache_dir=str(cache), train_augment=augment(), eval_augment=None, seed=0, progress=False)
 

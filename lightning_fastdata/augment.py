@@ -170,6 +170,11 @@ class Compose(BatchTransform):
     def forward(self, batch: Batch) -> Batch:
         """Run the ops on a Batch."""
         keys, ops, i = batch.keys, self.transforms, 0
+        if not batch.ragged and len(batch) == 0:
+            # Fused runs (crop + flip, ...) read samples; each op on its own handles 0 of them.
+            for j, op in enumerate(ops):
+                batch = _run(op, batch, keys.child(j))
+            return batch.replace(keys=keys)
         while i < len(ops):
             op = ops[i]
             nxt = ops[i + 1] if i + 1 < len(ops) else None

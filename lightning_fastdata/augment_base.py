@@ -251,6 +251,11 @@ class Batch:
             out[name] = fn(self._held[name].tensor, rows) if rows is not None else fn(self.fields[name], None)
         return self.replace(out)
 
+    def field_dtype(self, name: str) -> torch.dtype:
+        """The dtype of field ``name`` (its first sample's, for a list), without gathering stored rows."""
+        v = self._held[name]
+        return v[0].dtype if isinstance(v, (list, tuple)) else v.dtype
+
     def names(self, *kinds: str) -> list[str]:
         """The names of the fields of the given kinds, in field order."""
         return [name for name in self._held if self.kinds[name] in kinds]
@@ -420,6 +425,8 @@ class BatchTransform:
         """Draw and apply on a Batch (overridden by ops that run other ops)."""
         if batch.ragged and not self.lists:
             return per_sample(self, batch)
+        if not batch.ragged and len(batch) == 0:
+            return run_empty(self, batch)
         return self.apply_batch(batch, **self.make_params(batch))
 
     def make_params(self, batch: Batch) -> dict[str, Any]:
@@ -479,6 +486,18 @@ def per_sample(op: BatchTransform, batch: Batch, params: dict[str, Any] | None =
         for k in names:
             outs[k].append(res.fields[k][0])
     return batch.replace(outs)
+
+
+def run_empty(op: BatchTransform, batch: Batch) -> Batch:
+    """``op`` on a batch of 0 samples: the rows of its output on one zero sample of the same
+    shapes, none of them kept (the output's shapes and dtypes, which a crop or a conversion
+    changes). The ops' per-sample code would otherwise trip on ``reshape(0, -1, ...)`` or
+    ``x[0]``."""
+    names = batch.names("image", "mask")
+    one = Batch({k: batch.fields[k].new_zeros((1, *batch.fields[k].shape[1:])) for k in names},
+                {k: batch.kinds[k] for k in names}, SampleKeys.for_batch(1, batch.keys.device), batch.spatial_dims)
+    out = op.apply_batch(one, **op.make_params(one))
+    return batch.replace({k: out.fields[k][:0] for k in names})
 
 
 def join_rows(values: list[Any], what: str) -> Any:
@@ -590,6 +609,17 @@ def _items(value: Any) -> list[Any] | None:
         return None
 
 
+def finite_float(value: Any, name: str) -> float:
+    """``value`` as a finite float: a TypeError naming ``name`` for a non-number (a string, None,
+    a bool), a ValueError for NaN or an infinity (either turns an op's output into NaN or inf)."""
+    out = _float(value)
+    if out is None:
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
 def float_seq(value: Any, name: str, what: str = "a sequence of numbers") -> tuple[float, ...]:
     """A sequence of numbers as floats; a single number, a string or a non-number is refused
     with a TypeError naming ``name`` (``what`` says what it should be)."""
@@ -648,16 +678,20 @@ def float_range(value: float | Sequence[float], name: str, center: float | None 
         if len(pair) != 2:
             raise ValueError(f"{name} must be a number or a pair (min, max), got {value!r}")
         lo, hi = pair
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        # An infinite bound draws inf or nan angles, scales, factors: NaN or filled outputs.
+        raise ValueError(f"{name} must be finite, got {value!r}")
     if not lower <= lo <= hi <= upper:
         raise ValueError(f"{name} must be an increasing pair within [{lower}, {upper}], got {value!r}")
     return lo, hi
 
 
 def probability(p: float, name: str = "p") -> float:
-    """``p`` checked to lie in [0, 1]."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+    """``p`` checked to lie in [0, 1] (any real number: a numpy float or a 0-d array too)."""
+    value = _float(p)
+    if value is None or not 0.0 <= value <= 1.0:  # NaN fails the comparison
         raise ValueError(f"{name} must be in [0, 1], got {p!r}")
-    return float(p)
+    return value
 
 
 def fill_values(fill: float | Sequence[float], name: str) -> list[float]:

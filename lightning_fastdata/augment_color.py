@@ -6,6 +6,7 @@ pass through.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -110,6 +111,9 @@ class Normalize(BatchTransform):
     def __init__(self, mean: Sequence[float], std: Sequence[float], dtype: str = "float32") -> None:
         self.mean = list(float_seq(mean, "mean", "one number per channel (a sequence)"))
         self.std = list(float_seq(std, "std", "one number per channel (a sequence)"))
+        for name, given, values in (("mean", mean, self.mean), ("std", std, self.std)):
+            if not all(math.isfinite(v) for v in values):  # NaN or inf would make every pixel NaN or inf
+                raise ValueError(f"{name} must be finite, got {given!r}")
         if len(self.mean) != len(self.std) or not self.mean:
             raise ValueError(f"mean and std need one value per channel, got {mean!r} and {std!r}")
         if min(self.std) <= 0:

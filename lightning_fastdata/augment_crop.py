@@ -16,9 +16,11 @@ import torch
 
 from lightning_fastdata._lightning import tensor_version
 from lightning_fastdata.augment_base import (
+    INT_MAX,
     Batch,
     BatchTransform,
     const,
+    finite_float,
     host_shortcuts,
     keep_format,
     per_dim,
@@ -221,6 +223,22 @@ class RandomCrop(BatchTransform):
                              "lower size, add padding or set pad_if_needed=True")
         return size, pad, padded
 
+    def _check_fill(self, batch: Batch) -> None:
+        """Refuse a ``fill`` an integer image cannot hold: torch's ``fill_`` turns -1 into 255 on
+        uint8 (65535 on uint16) where torchvision's pad refuses it, and a value past the range
+        failed inside torch without naming ``fill``."""
+        if not any(self.padding) and not self.pad_if_needed:
+            return  # nothing is padded: the fill is never written
+        for name in batch.names("image"):
+            dtype = batch.field_dtype(name)
+            if dtype not in INT_MAX:
+                continue
+            top = INT_MAX[dtype]
+            low = -top - 1 if dtype.is_signed else 0
+            if not low <= self.fill < top + 1:  # torch truncates a fraction inside the range
+                raise ValueError(f"RandomCrop fill={self.fill!r} does not fit the image field {name!r} ({dtype}, "
+                                 f"values {low}..{top}); give a fill in that range, or convert the image first")
+
     def _list_geometry(self, batch: Batch) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[tuple[int, ...]]]:
         """A ragged batch: the size, and each sample's padding and padded size."""
         sd = batch.spatial_dims
@@ -252,6 +270,7 @@ class RandomCrop(BatchTransform):
         mirrors each sample along ``flip_dims`` in the same pass (``Compose`` fuses a
         following ``RandomFlip`` this way)."""
         sd = batch.spatial_dims
+        self._check_fill(batch)
         if batch.ragged:
             return self._apply_list(batch, offset, flip)
         size, pad, _ = self._geometry(batch)
@@ -298,6 +317,15 @@ class RandomCropByLabel(BatchTransform):
     centre correction), so the drawn voxel stays inside the window but is not always its
     centre. The same window is cut from every image and mask field; ``other`` passes through.
 
+    Where MONAI differs (``RandCropByPosNegLabeld`` with its defaults): it counts a voxel as
+    foreground where the label is non-zero, so negative values (an ignore label of -1) are
+    foreground there and background here; and for a label of several channels it drops
+    channel 0 first (taken to be a one-hot background), where this op uses every channel.
+    Give a one-hot label without its background channel (``label[:, 1:]``), or as class
+    indices in one channel, to get MONAI's centres. MONAI also raises on a label with
+    neither set (impossible here: every voxel is in one) and warns when it falls back to the
+    other set; this op falls back silently (no host sync), as ``foreground`` reports.
+
     From the ``device`` loader, whose store is whole on the device, the windows are cut from
     the store (no whole sample is copied), and the label's per-block counts are computed
     once per store, at the first batch (one pass over every label), then kept: each batch
@@ -313,7 +341,10 @@ class RandomCropByLabel(BatchTransform):
 
     def __init__(self, size: int | Sequence[int], pos: float = 1.0, neg: float = 1.0, label: str = "label") -> None:
         self.size = spatial_arg(size, "size", lowest=1)
-        if isinstance(pos, bool) or isinstance(neg, bool) or pos < 0 or neg < 0 or pos + neg <= 0:
+        # Finite numbers only: pos=inf made the foreground share inf / inf = nan, and every
+        # sample was then cut around the background.
+        pos, neg = finite_float(pos, "pos"), finite_float(neg, "neg")
+        if pos < 0 or neg < 0 or pos + neg <= 0:
             raise ValueError(f"pos and neg must be >= 0 with pos + neg > 0, got pos={pos!r}, neg={neg!r}")
         self.pos, self.neg = float(pos), float(neg)
         if not isinstance(label, str) or not label:

@@ -19,6 +19,7 @@ from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
     bcast,
+    finite_float,
     float_range,
     keep_format,
     probability,
@@ -152,7 +153,9 @@ class ScaleIntensityRange(PointwiseIntensity):
 
     def __init__(self, a_min: float, a_max: float, b_min: float = 0.0, b_max: float = 1.0, clip: bool = False,
                  dtype: str = "float32") -> None:
-        self.a_min, self.a_max, self.b_min, self.b_max = (float(v) for v in (a_min, a_max, b_min, b_max))
+        self.a_min, self.a_max, self.b_min, self.b_max = (
+            finite_float(v, name) for v, name in ((a_min, "a_min"), (a_max, "a_max"), (b_min, "b_min"),
+                                                  (b_max, "b_max")))
         if self.a_max == self.a_min:
             raise ValueError(f"a_min and a_max must differ, got a_min={a_min!r}, a_max={a_max!r}")
         if clip and self.b_min > self.b_max:
@@ -274,9 +277,10 @@ class RandomAdjustContrast(_RandomFactor):
 
     def __init__(self, gamma: float | Sequence[float] = (0.5, 4.5), p: float = 1.0) -> None:
         if isinstance(gamma, (int, float)) and not isinstance(gamma, bool):
-            if gamma <= 0.5:
+            top = finite_float(gamma, "gamma")  # nan passed the check below and gave NaN images
+            if top <= 0.5:
                 raise ValueError(f"gamma as a single number must be > 0.5 (the range is (0.5, gamma)), got {gamma!r}")
-            rng = (0.5, float(gamma))
+            rng = (0.5, top)
         else:
             rng = float_range(gamma, "gamma", lower=0.0)
             if rng[0] <= 0:
@@ -319,9 +323,10 @@ class GaussianNoise(BatchTransform):
     """
 
     def __init__(self, mean: float = 0.0, sigma: float = 0.1, clip: bool = True) -> None:
+        mean, sigma = finite_float(mean, "mean"), finite_float(sigma, "sigma")
         if sigma < 0:
             raise ValueError(f"sigma must be >= 0, got {sigma}")
-        self.mean, self.sigma, self.clip = float(mean), float(sigma), bool(clip)
+        self.mean, self.sigma, self.clip = mean, sigma, bool(clip)
 
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
         """``noise``: image field name -> standard normal draws of the field's shape (float32)."""

@@ -343,6 +343,14 @@ class OptimizedDataModule(L.LightningDataModule):
                                ragged=self.ragged, encode=self.encode, jpeg_quality=self.jpeg_quality,
                                max_side=self.max_side)
         except UnstorableSampleError as e:
+            if self.ragged or self.encode:
+                # Per-sample loading would ignore ragged/encode: samples of varying shapes then
+                # fail to collate on the first batch, and JPEG fields would not be encoded.
+                raise StoreError(
+                    f"the '{split}' split cannot be stored ({e}), and ragged={self.ragged!r}, "
+                    f"encode={self.encode!r} need it stored: make static_transform return only tensors, "
+                    "ndarrays and numbers (drop that field, or convert it)"
+                ) from None
             rank_zero_warn(f"lightning_fastdata: the '{split}' split cannot be stored ({e}); "
                            "loading it per sample in DataLoader workers instead")
             return None
@@ -783,6 +791,30 @@ class OptimizedDataModule(L.LightningDataModule):
                     key = "augment_field" if name == self.augment_field else "field_kinds"
                     raise StoreError(f"{key} names a field {name!r} that the '{split}' samples do not have; "
                                      f"their fields are {fields} (dict keys, or positions '0', '1' for tuples)")
+            augment = "train_augment" if split == "train" else "eval_augment"
+            if getattr(self, augment) is not None:
+                self._check_augmented_shapes(split, store, augment)
+
+    def _check_augmented_shapes(self, split: str, store: Store, augment: str) -> None:
+        """Refuse, at setup, an image (mask) field whose samples have too few dimensions to be one.
+
+        The augmentation would fail on the first batch with an error about ``spatial_dims``,
+        which a data module user cannot pass; the usual cause is the default kinds (the
+        first field is the image), e.g. a label before a JPEG image in a dict sample.
+        """
+        kinds = self.kinds(split)
+        for info in store.infos:
+            kind = kinds.get(info.name, "other")
+            ndim = 3 if info.encoding else len(info.shape)  # an encoded image decodes to (C, H, W)
+            if (kind == "image" and ndim < 3) or (kind == "mask" and ndim < 2):
+                shape = "(varies)" if info.ragged else str(info.shape)
+                raise ValueError(
+                    f"{augment} gets the '{split}' field {info.name!r} as {'an' if kind == 'image' else 'a'} "
+                    f"{kind} (kinds: {kinds}; without field_kinds the first field is the image), but its samples "
+                    f"have {ndim} dimension(s) {shape}; an image needs (C, H, W) or (C, D, H, W), a mask (H, W) or "
+                    "more: name each field's kind in field_kinds (e.g. {'image': 'image', 'label': 'other'}), "
+                    "or add the channel dimension in static_transform (x[None])"
+                )
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -113,6 +113,20 @@ def capped_size(h: int, w: int, max_side: int | None) -> tuple[int, int]:
     return (max_side if h >= w else max(1, round(h * s))), (max_side if w > h else max(1, round(w * s)))
 
 
+def source_size(value: np.ndarray) -> tuple[int, int] | None:
+    """``(H, W)`` of a sample to encode (an image, or JPEG bytes by their frame header); ``None``
+    for anything else (:func:`encode_jpeg_leaf` then names the problem)."""
+    if is_jpeg(value):
+        try:
+            _, h, w = jpeg_shape(value)
+        except ValueError:
+            return None
+        return h, w
+    if value.dtype == np.uint8 and value.ndim == 3 and value.shape[0] in (1, 3):
+        return int(value.shape[-2]), int(value.shape[-1])
+    return None
+
+
 def _resize(image: torch.Tensor, max_side: int | None) -> torch.Tensor:
     h, w = int(image.shape[-2]), int(image.shape[-1])
     size = capped_size(h, w, max_side)

@@ -30,6 +30,7 @@ from lightning_fastdata.structure import (
     StoreError,
     UnstorableSampleError,
     check_like,
+    container_paths,
     flatten,
     ragged_info,
     read_sample,
@@ -88,15 +89,49 @@ class Layout:
                        jpeg_channels="images-kept-bytes-rgb")
         return {"store_layout": out} if out else {}
 
-    def apply(self, infos: list[FieldInfo]) -> list[FieldInfo]:
-        """The stored form of the probe's fields; unknown names are a :class:`StoreError`."""
+    def apply(self, infos: list[FieldInfo], spec: dict | None = None) -> list[FieldInfo]:
+        """The stored form of the probe's fields (``spec``: their structure); unknown names are a
+        :class:`StoreError`."""
         names = [i.name for i in infos]
+        containers = container_paths(spec) if spec is not None else set()
         for what, named in (("ragged", self.ragged), ("encode", [n for n, _ in self.encode])):
             for name in named:
+                inner = [n for n in names if n.startswith(name + ".")]
+                if name not in names and (inner or name in containers):
+                    # A list, tuple or dict is a structure: each of its elements became a field.
+                    listed = (", ".join(map(repr, inner[:4])) + (", ..." if len(inner) > 4 else "")
+                              if inner else "none here: it is empty")
+                    field = "a ragged field" if what == "ragged" else "an encoded field"
+                    raise StoreError(f"{what} names {name!r}, which the samples hold as a list, tuple or dict, so "
+                                     f"each element is a field of its own ({listed}); {field} is one tensor or "
+                                     "ndarray: make static_transform return it as one (e.g. torch.as_tensor(boxes) "
+                                     "for a list of boxes)")
                 if name not in names:
                     raise StoreError(f"{what} names a field {name!r} that the samples do not have; their fields "
                                      f"are {names} (dict keys, or positions '0', '1' for tuples)")
         return [ragged_info(i, encoding=self.encoding(i.name)) if self.is_ragged(i.name) else i for i in infos]
+
+    def check_aligned(self, infos: Sequence[FieldInfo], leaves: Sequence[tuple[str, np.ndarray]], index: int) -> None:
+        """Refuse a sample whose encoded image ``max_side`` would shrink while a field of its size is kept.
+
+        ``max_side`` resizes the encoded field only: a mask (or any field) stored at the
+        image's ``(H, W)`` would silently stop lining up with it, so that is an error.
+        """
+        if self.max_side is None or not self.encode:
+            return
+        for info, (_, value) in zip(infos, leaves, strict=True):
+            size = E.source_size(value) if info.encoding is not None else None
+            if size is None or E.capped_size(*size, self.max_side) == size:
+                continue
+            for other, (_, kept) in zip(infos, leaves, strict=True):
+                if other.encoding is None and kept.ndim >= 2 and tuple(kept.shape[-2:]) == size:
+                    h, w = E.capped_size(*size, self.max_side)
+                    raise StoreError(
+                        f"sample {index}: max_side={self.max_side} shrinks the encoded field '{info.name}' from "
+                        f"{size[0]}x{size[1]} to {h}x{w}, but field '{other.name}' {tuple(kept.shape)} has its size "
+                        "and is stored as it is, so the two would no longer line up; resize both in "
+                        "static_transform (a mask with nearest interpolation) and set max_side=None"
+                    )
 
     def stored(self, info: FieldInfo, value: np.ndarray, index: int) -> tuple[np.ndarray, tuple[int, ...] | None]:
         """A sample's value as stored, and its decoded shape when encoded (``None`` otherwise)."""
@@ -249,6 +284,7 @@ class _FillChunks(torch.utils.data.Dataset):
             for i in range(a, b):
                 _, leaves = flatten(read_sample(self.dataset, self.transform, i), i)
                 check_like(self.infos, leaves, i)
+                self.layout.check_aligned(self.infos, leaves, i)
                 for k, (info, (_, value)) in enumerate(zip(self.infos, leaves, strict=True)):
                     arrays = self._arrays[k]
                     if not info.ragged:

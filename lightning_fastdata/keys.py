@@ -213,12 +213,12 @@ class SampleKeys:
     """The random keys of the samples of one batch.
 
     Args:
-        seed: The run's seed.
+        seed: The run's seed, in [0, 2**64).
         epoch: The epoch the batch belongs to: an int, or a 0-d integer tensor on the
             index's device (folded on the device: what a CUDA graph takes as an input).
         index: Global sample indices, one per row of the batch (an integer tensor on the
             batch's device).
-        stream: Separates independent uses of one seed (e.g. training vs evaluation).
+        stream: Separates independent uses of one seed (e.g. training vs evaluation), in [0, 2**64).
         path: Position of the op inside nested ``Compose``/``RandomApply`` (set by them).
     """
 

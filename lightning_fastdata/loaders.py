@@ -441,6 +441,22 @@ class _Failure:
         self.error = error
 
 
+def _leaf_tensors(leaf: Any) -> Iterator[torch.Tensor]:
+    """Every tensor a batch leaf holds: itself, a ragged field's values, or the items of a list,
+    tuple or dict (a ragged field augmented without a size-fixing op stays a list of
+    per-sample tensors, views of its values or freshly decoded images)."""
+    if isinstance(leaf, torch.Tensor):
+        yield leaf
+    elif isinstance(leaf, RaggedBatch):
+        yield leaf.values
+    elif isinstance(leaf, (list, tuple)):
+        for item in leaf:
+            yield from _leaf_tensors(item)
+    elif isinstance(leaf, dict):
+        for item in leaf.values():
+            yield from _leaf_tensors(item)
+
+
 def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -> Iterator[FastBatch]:
     """Iterate ``batches`` in a background thread, at most ``depth`` ready batches ahead of the consumer."""
     ready: queue.Queue = queue.Queue(maxsize=depth)
@@ -485,9 +501,8 @@ def _run_ahead(batches: Iterator[FastBatch], depth: int, device: torch.device) -
             if event is not None:
                 current = torch.cuda.current_stream(device)
                 current.wait_event(event)  # the device waits, not the host
-                for t in (*item.leaves, item.indices):
-                    t = t.values if isinstance(t, RaggedBatch) else t
-                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                for t in _leaf_tensors([*item.leaves, item.indices]):
+                    if t.is_cuda:
                         # Made on the side stream, used on this one: the allocator must not
                         # reuse the memory before this stream's work on it is done.
                         t.record_stream(current)

@@ -196,9 +196,10 @@ def _probe(dataset: Any, transform: Callable[[Any], Any], n: int, probes: int, l
             raise StoreError(f"sample {i} has nothing to store (got {s!r}): the source, or static_transform, "
                              "must return a tensor, an ndarray, a number, or a tuple/list/dict holding at least one")
         if not infos:
-            spec, infos = s, layout.apply(with_kinds(signature(leaves), s))
+            spec, infos = s, layout.apply(with_kinds(signature(leaves), s), s)
         else:
             check_like(infos, leaves, i)
+        layout.check_aligned(infos, leaves, i)
         digests[i] = F.leaf_digests(leaves)
         for k, (info, (_, value)) in enumerate(zip(infos, leaves, strict=True)):
             if info.ragged:

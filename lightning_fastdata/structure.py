@@ -43,6 +43,10 @@ def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise UnstorableSampleError(f"{where} is an object-dtype ndarray")
+        if not value.dtype.isnative:
+            # torch reads native byte order only (big-endian arrays come from FITS, some NIfTI
+            # and .mat files): store the same numbers in it.
+            return value.astype(value.dtype.newbyteorder("="))
         return value
     if isinstance(value, (bool, np.bool_)):
         return np.asarray(value, dtype=np.bool_)
@@ -143,6 +147,18 @@ def field_kinds(spec: dict) -> list[str]:
     if not any(tv.values()):
         return ["image" if f == 0 else "other" for f in sorted(tv)]
     return [tv[f] or "other" for f in sorted(tv)]
+
+
+def container_paths(spec: dict, path: str = "") -> set[str]:
+    """The paths of the lists, tuples and dicts of a sample's structure, named as :func:`flatten`
+    names fields (an empty one holds no field, so only these paths say it is there)."""
+    if spec["kind"] == "leaf":
+        return set()
+    keys = spec["keys"] if spec["kind"] == "dict" else range(len(spec["items"]))
+    out = {path} if path else set()
+    for key, item in zip(keys, spec["items"], strict=True):
+        out |= container_paths(item, f"{path}.{key}" if path else str(key))
+    return out
 
 
 def unflatten(spec: dict, leaves: Sequence[Any]) -> Any:

@@ -548,3 +548,21 @@ def test_the_accelerator_path_never_reads_device_values_on_the_host(monkeypatch)
     monkeypatch.setattr(torch, "nonzero", refuse("torch.nonzero"))
     for op, batch in ops:
         op(batch.replace(keys=SampleKeys(1, 1, batch.keys.index)))
+
+
+@pytest.mark.parametrize("op, spatial_dims", [(o, 2) for o in _ops_2d()] + [(o, 3) for o in _ops_3d()] +
+                         [(A.Normalize([0.5], [0.2]), 3), (A.ToDtype("float32"), 3), (A.CenterCrop(4), 3)],
+                         ids=lambda v: _name(v) if not isinstance(v, int) else f"{v}d")
+@pytest.mark.usefixtures("both_paths")
+def test_an_empty_batch_comes_out_empty(op, spatial_dims):
+    """A batch of 0 samples (N = 0) keeps its other dims, as RandomCrop always did; label crops,
+    affine maps, Normalize and the contrast op used to fail on ``reshape(0, -1, ...)`` or
+    ``x[0]`` with an IndexError or "cannot reshape tensor of 0 elements"."""
+    batch = _batch_2d(torch.arange(2)) if spatial_dims == 2 else _batch_3d(torch.arange(2))
+    rows = torch.arange(0)
+    empty = A.Batch({k: v[:0] for k, v in batch.fields.items()}, batch.kinds, batch.keys.take(rows))
+    full = op(batch)
+    out = op(empty)
+    for name in ("image", "mask" if spatial_dims == 2 else "label"):
+        assert out.fields[name].shape == (0, *full.fields[name].shape[1:]), name
+        assert out.fields[name].dtype == full.fields[name].dtype, name

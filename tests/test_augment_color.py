@@ -164,3 +164,14 @@ def test_bad_batches_are_refused_with_the_reason():
         A.ColorJitter(0.2)(torch.rand(2, 3, 4, 8, 8))
     with pytest.raises(ValueError, match="value"):
         A.RandomErasing(value="noise")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: A.Normalize([0.5], [float("nan")]), "std must be finite"),
+    (lambda: A.Normalize([float("inf")], [0.2]), "mean must be finite"),
+    (lambda: A.ColorJitter(brightness=float("inf")), "brightness must be finite"),
+])
+def test_photometric_ops_refuse_parameters_that_are_not_finite(make, match):
+    """A NaN std or an infinite mean was accepted and made every pixel NaN or inf."""
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -482,6 +482,41 @@ def test_crop_by_label_refuses_bad_setups():
         A.RandomCropByLabel(9)(batch)
 
 
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"pos": "1"}, TypeError, "pos must be a number, got '1'"),
+    ({"neg": None}, TypeError, "neg must be a number, got None"),
+    ({"pos": float("inf")}, ValueError, "pos must be finite, got inf"),
+    ({"pos": float("nan")}, ValueError, "pos must be finite, got nan"),
+    ({"neg": float("inf")}, ValueError, "neg must be finite, got inf"),
+])
+def test_crop_by_label_refuses_pos_and_neg_that_are_not_finite_numbers(kw, error, match):
+    """pos=inf made the foreground share inf / inf = nan, so every sample was silently cut around
+    the background; a string failed on a bare comparison that named nothing."""
+    with pytest.raises(error, match=match):
+        A.RandomCropByLabel(4, **kw)
+
+
+
+@pytest.mark.parametrize("dtype, fill", [(torch.uint8, -1), (torch.uint8, 256), (torch.uint8, -0.5),
+                                         (torch.int16, -40000), (torch.uint16, -1)])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_random_crop_refuses_a_fill_outside_the_image_dtype(dtype, fill, as_list):
+    """fill=-1 on uint8 (or uint16) images silently padded with 255 (65535), where torchvision's
+    pad refuses it; a fill past the range failed inside torch without naming fill."""
+    x = torch.full((2, 1, 5, 6), 9, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"RandomCrop fill={fill} does not fit the image field 'image'"):
+        A.RandomCrop(6, padding=1, fill=fill)(list(x) if as_list else x)
+
+
+@pytest.mark.parametrize("dtype, fill", [(torch.uint8, 255), (torch.uint8, 0.7), (torch.int16, -1024),
+                                         (torch.int16, -32768), (torch.uint16, 65535)])
+def test_random_crop_pads_with_any_fill_the_image_dtype_holds(dtype, fill):
+    x = torch.full((2, 1, 5, 6), 9, dtype=dtype)
+    out = A.RandomCrop((7, 8), padding=1, fill=fill)(x)
+    assert torch.equal(out, F.pad(x.float(), (1, 1, 1, 1), value=float(int(fill))).to(dtype))
+
+
 # ----------------------------------------------------------------------------- windows cut from the store
 
 

@@ -105,6 +105,21 @@ def test_rot90_refuses_non_square_planes_and_bad_dims():
         A.RandomFlip(dims=(1,))
     with pytest.raises(ValueError, match="p must be in"):
         A.RandomFlip(p=1.5)
+    for bad in (float("nan"), "0.5", None, True):
+        with pytest.raises(ValueError, match=r"p must be in \[0, 1\], got"):
+            A.RandomFlip(p=bad)
+
+
+def test_a_numpy_probability_is_a_probability():
+    """p read from a numpy config (np.float32, a 0-d array) flips as the same Python float does."""
+    import numpy as np
+
+    x = _data((16, 1, 4, 4))
+    k = keys(16)
+    want = A.RandomHorizontalFlip(p=0.5)(A.Batch({"image": x}, {"image": "image"}, k)).fields["image"]
+    for p in (np.float32(0.5), np.array(0.5)):
+        got = A.RandomHorizontalFlip(p=p)(A.Batch({"image": x}, {"image": "image"}, k)).fields["image"]
+        assert torch.equal(got, want)
 
 
 def test_flips_keep_channels_last():

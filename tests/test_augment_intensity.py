@@ -188,3 +188,24 @@ def test_intensity_chain_keeps_channels_last_and_the_input():
     assert out.is_contiguous(memory_format=torch.channels_last_3d)
     assert torch.equal(out, ops[1](ops[0](x, keys(3).child(0)), keys(3).child(1)))
     assert torch.equal(x, keep)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: A.ScaleIntensityRange("x", 1000), TypeError, "a_min must be a number, got 'x'"),
+    (lambda: A.ScaleIntensityRange(-1000, None), TypeError, "a_max must be a number, got None"),
+    (lambda: A.ScaleIntensityRange(float("nan"), 1000), ValueError, "a_min must be finite, got nan"),
+    (lambda: A.ScaleIntensityRange(-1000, float("inf")), ValueError, "a_max must be finite, got inf"),
+    (lambda: A.ScaleIntensityRange(-1000, 1000, b_max=float("inf")), ValueError, "b_max must be finite, got inf"),
+    (lambda: A.GaussianNoise(sigma="0.1"), TypeError, "sigma must be a number, got '0.1'"),
+    (lambda: A.GaussianNoise(sigma=float("nan")), ValueError, "sigma must be finite, got nan"),
+    (lambda: A.GaussianNoise(mean=float("inf")), ValueError, "mean must be finite, got inf"),
+    (lambda: A.RandomAdjustContrast(float("nan")), ValueError, "gamma must be finite, got nan"),
+    (lambda: A.RandomAdjustContrast(float("inf")), ValueError, "gamma must be finite, got inf"),
+    (lambda: A.RandomScaleIntensity((0.0, float("inf"))), ValueError, "factors must be finite"),
+    (lambda: A.RandomShiftIntensity(float("inf")), ValueError, "offsets must be finite"),
+])
+def test_intensity_ops_refuse_parameters_that_are_not_finite_numbers(make, error, match):
+    """NaN or infinite parameters used to be accepted and turned every voxel into NaN (or inf);
+    strings failed on float() or a comparison without naming the parameter."""
+    with pytest.raises(error, match=match):
+        make()

@@ -346,3 +346,18 @@ def test_resized_crop_then_flip_in_compose_equals_the_ops_one_by_one(as_list):
     for name in ("image", "mask"):
         assert torch.equal(out.fields[name], seq.fields[name]), name
     assert all(torch.equal(a, b) for a, b in zip([*xs, *ms], [*before[0], *before[1]], strict=True))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: A.RandomAffine(float("inf")), "degrees must be finite, got inf"),
+    (lambda: A.RandomAffine((0, float("inf"))), "degrees must be finite"),
+    (lambda: A.RandomAffine(10, scale=(0.9, float("inf"))), "scale must be finite"),
+    (lambda: A.RandomAffine(10, shear=float("inf")), "shear must be finite"),
+    (lambda: A.RandomRotation(float("inf")), "degrees must be finite"),
+    (lambda: A.RandomResizedCrop(8, ratio=(0.5, float("inf"))), "ratio must be finite"),
+])
+def test_ranges_refuse_infinite_bounds(make, match):
+    """An infinite bound was accepted and drew inf/nan angles, scales or ratios: every sample
+    came out filled (or as NaN) without an error."""
+    with pytest.raises(ValueError, match=match):
+        make()

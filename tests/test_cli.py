@@ -425,3 +425,37 @@ def test_bench_augments_each_batch_once(tmp_path, monkeypatch):
     row = bench_strategy(dm, "device", __import__("torch").device("cpu"), 1, batches=4, warmup=1, repeats=1,
                          progress=False)
     assert row["feasible"] and 5 <= len(calls) <= 5 + 2  # warm-up + timed batches (+ the thread's look-ahead)
+
+
+def test_bench_decodes_a_jpeg_field_without_an_augmentation(tmp_path, monkeypatch):
+    """The timed loop does what on_after_batch_transfer does: without train_augment a JPEG field is
+    still decoded (the bench left it undecoded, so its rates left out the decode)."""
+    import torch
+
+    from lightning_fastdata import OptimizedDataModule
+    from lightning_fastdata import datamodule as datamodule_module
+    from lightning_fastdata.cli import bench_strategy
+
+    decoded = []
+    real = datamodule_module.decode_jpegs
+
+    def counting(data, *args, **kwargs):
+        decoded.append(len(data))
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(datamodule_module, "decode_jpegs", counting)
+
+    class Photos(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int):
+            return torch.full((3, 16 + i % 5, 16), i, dtype=torch.uint8), i
+
+    class PhotoModule(OptimizedDataModule):
+        def source(self, split: str):
+            return Photos() if split == "train" else None
+
+    dm = PhotoModule(batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", encode={"0": "jpeg"}, progress=False)
+    row = bench_strategy(dm, "device", torch.device("cpu"), 1, batches=2, warmup=1, repeats=1, progress=False)
+    assert row["feasible"] and sum(decoded) >= 3 * 8  # warm-up + timed batches, every sample decoded

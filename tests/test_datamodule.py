@@ -480,3 +480,63 @@ def test_a_crop_first_pipeline_cuts_from_the_device_store_with_the_same_pixels(t
         ref = out["workers"][key]
         assert img.shape == (3, 5, 5) and torch.equal(img, ref[0]) and torch.equal(mask, ref[1]), key
         assert label == ref[2]
+
+
+class _LabelFirst(torch.utils.data.Dataset):
+    """Dict samples whose first field is the label, then a JPEG-encoded image of varying size."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int):
+        return {"label": i, "image": torch.full((3, 10 + i, 12), 40 * i, dtype=torch.uint8)}
+
+
+class _LabelFirstModule(TinyDataModule):
+    def source(self, split: str):
+        return _LabelFirst() if split == "train" else None
+
+
+def test_a_label_taken_as_the_image_by_default_is_named_at_setup_with_field_kinds(cache_dir):
+    # Without field_kinds the first field is the image: here the label. The augmentation used to
+    # fail on the first batch asking for spatial_dims, which a data module cannot be given.
+    kw = dict(batch_size=4, cache_dir=str(cache_dir), device="cpu", encode={"image": "jpeg"},
+              train_augment=A.Compose([A.RandomResizedCrop(8), A.RandomHorizontalFlip()]))
+    dm = _LabelFirstModule(**kw)
+    with pytest.raises(ValueError, match=r"train_augment gets the 'train' field 'label' as an image \(kinds: .*\), "
+                                         r"but its samples have 0 dimension\(s\) \(\); .* field_kinds"):
+        dm.setup("fit")
+    dm = _LabelFirstModule(field_kinds={"image": "image", "label": "other"}, **kw)
+    dm.setup("fit")
+    try:
+        out = dm.augment_batch(next(iter(dm.train_dataloader())))
+        assert out["image"].shape == (4, 3, 8, 8) and out["label"].shape == (4,)
+    finally:
+        dm.teardown("fit")
+
+
+class _Named(torch.utils.data.Dataset):
+    """Images of varying size with their file name (a str, which cannot be stored)."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int):
+        return {"image": torch.full((3, 8 + i, 8), i, dtype=torch.uint8), "name": f"{i}.jpg"}
+
+
+class _NamedModule(TinyDataModule):
+    def source(self, split: str):
+        return _Named() if split == "train" else None
+
+
+@pytest.mark.parametrize("layout", [dict(ragged=["image"]), dict(encode={"image": "jpeg"})])
+def test_an_unstorable_split_with_ragged_or_encode_is_refused_not_loaded_per_sample(cache_dir, layout):
+    # The per-sample fallback ignores ragged/encode: its collate failed on the first batch
+    # ("stack expects each tensor to be equal size"), and JPEG fields went unencoded.
+    from lightning_fastdata.store import StoreError
+
+    dm = _NamedModule(batch_size=2, cache_dir=str(cache_dir), device="cpu", num_workers=0, **layout)
+    with pytest.raises(StoreError, match=r"the 'train' split cannot be stored \(sample 0, field 'name' is a str; .*\), "
+                                         r"and ragged=.*, encode=.* need it stored: make static_transform return only"):
+        dm.setup("fit")

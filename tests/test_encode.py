@@ -331,3 +331,43 @@ def test_a_jpeg_that_fails_mid_training_names_its_dataset_index(tmp_path, jpeg_f
             dm.on_after_batch_transfer(batch, 0)
     finally:
         dm.teardown("fit")
+
+
+class Segmentation(torch.utils.data.Dataset):
+    """An image and its mask of the same size (sample 2 larger than the rest)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        image = photo(i, 20, 30) if i != 2 else photo(i, 60, 80)
+        return {"image": image, "mask": (image[:1] > 128).to(torch.uint8)}
+
+
+class SegmentationModule(OptimizedDataModule):
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("progress", False)
+        super().__init__(**kwargs)
+
+    def source(self, split: str):
+        return Segmentation() if split == "train" else None
+
+
+def test_max_side_refuses_to_shrink_an_image_away_from_its_mask(tmp_path):
+    # max_side resizes the encoded field only: the mask kept at the image's old size would no
+    # longer line up with it (silently, without an augmentation), so that is an error naming both.
+    kw = dict(batch_size=4, cache_dir=str(tmp_path / "cache"), ragged=["mask"], encode={"image": "jpeg"},
+              field_kinds={"image": "image", "mask": "mask"}, device="cpu", shuffle=False)
+    dm = SegmentationModule(max_side=40, **kw)
+    with pytest.raises(StoreError, match=r"sample 2: max_side=40 shrinks the encoded field 'image' from \d+x\d+ "
+                                         r"to \d+x\d+, but field 'mask' \(1, \d+, \d+\) has its size .* max_side=None"):
+        dm.setup("fit")
+    assert not list((tmp_path / "cache").rglob("field_*"))
+    for max_side in (None, 80):  # nothing shrinks: stored and loaded aligned
+        dm = SegmentationModule(max_side=max_side, **kw)
+        dm.setup("fit")
+        try:
+            out = dm.augment_batch(next(iter(dm.train_dataloader())))
+            assert [im.shape[1:] for im in out["image"]] == [m.shape[1:] for m in out["mask"]]
+        finally:
+            dm.teardown("fit")

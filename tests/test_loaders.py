@@ -252,6 +252,24 @@ def test_batches_prepared_ahead_in_a_thread_equal_those_prepared_inline(ahead):
         list(threaded)
 
 
+def test_every_tensor_of_a_batch_made_ahead_is_found_for_the_consumers_stream():
+    # On CUDA a batch made ahead on a side stream records the consumer's stream on each of its
+    # tensors, so the allocator keeps their memory until the step is done with it. A ragged
+    # field left a list by the augmentation (views of its values, or decoded JPEGs) was
+    # skipped: the next batch could reuse its memory while the step still read it.
+    # (tests/gpu/test_ragged_cuda.py checks the recording itself on a GPU.)
+    from lightning_fastdata.loaders import _leaf_tensors
+    from lightning_fastdata.ragged import RaggedBatch
+
+    values = torch.arange(6)
+    ragged = RaggedBatch(values, torch.tensor([0, 2, 6]), torch.tensor([[2], [4]]))
+    parts = ragged.tensors()
+    plain = torch.zeros(2)
+    got = list(_leaf_tensors([plain, ragged, parts, (parts[0],), {"a": parts[1]}, 3, None]))
+    want = [plain, values, parts[0], parts[1], parts[0], parts[1]]
+    assert len(got) == len(want) and all(g is w for g, w in zip(got, want, strict=True))
+
+
 def test_deferred_fields_reach_prepare_as_store_rows_and_never_leave_the_loader():
     from lightning_fastdata.augment_base import StoreRows
     from lightning_fastdata.loaders import IndexLoader

@@ -194,6 +194,24 @@ def test_an_unknown_ragged_field_is_named_with_the_fields_at_setup(tmp_path):
         dm.setup("fit")
 
 
+@pytest.mark.parametrize("first", [1, 0], ids=["boxes", "no-box-in-sample-0"])
+def test_a_ragged_field_held_as_a_python_list_is_named_with_the_fix(tmp_path, first):
+    # A list is a structure (each element its own field, none when empty): the error used to
+    # say the samples have no field 'boxes' at all.
+    from lightning_fastdata.store import StoreError
+
+    class Boxes(RaggedModule):
+        def static_transform(self, sample):
+            return {"image": sample["img"], "boxes": [[0, 0, 2, 2]] * (sample["label"] % 3 + first)}
+
+    dm = Boxes(cache_dir=str(tmp_path / "cache"), ragged=["image", "boxes"], device="cpu")
+    listed = r"'boxes.0.0', " if first else r"none here: it is empty"
+    with pytest.raises(StoreError, match=r"ragged names 'boxes', which the samples hold as a list, tuple or dict, so "
+                                         rf"each element is a field of its own \({listed}.*torch.as_tensor"):
+        dm.setup("fit")
+    assert not list((tmp_path / "cache").rglob("field_*"))
+
+
 def test_a_model_trains_on_ragged_fields_as_lists(tmp_path):
     import lightning as L
     from _helpers import trainer

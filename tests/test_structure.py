@@ -66,3 +66,33 @@ def test_an_error_in_the_users_code_names_the_sample_it_was_reading(cache_dir, w
     text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
     assert "raised while caching sample 37" in text
     assert not list(cache_dir.glob("train-*"))
+
+
+def test_big_endian_arrays_are_stored_in_native_byte_order(tmp_path):
+    # torch reads native byte order only: big-endian arrays (FITS, some NIfTI and .mat files)
+    # used to build a cache that setup then failed on with torch's byte-order error.
+    from lightning_fastdata import OptimizedDataModule
+
+    def make(i: int):
+        return {"pts": np.arange(3 * (i % 3), dtype=">i4").reshape(-1, 3), "x": np.full(2, i / 3, dtype=">f8")}
+
+    class BigEndian(OptimizedDataModule):
+        def source(self, split: str):
+            return Items(7, make) if split == "train" else None
+
+    for strategy in ("device", "workers"):
+        dm = BigEndian(batch_size=3, cache_dir=str(tmp_path / "cache"), ragged=["pts"], device="cpu",
+                       strategy=strategy, num_workers=0, progress=False)
+        dm.setup("fit")
+        try:
+            seen = []
+            for batch in dm.train_dataloader():
+                out = dm.augment_batch(batch)
+                for j, i in enumerate(batch.indices.tolist()):
+                    assert out["pts"][j].dtype == torch.int32 and out["x"].dtype == torch.float64
+                    assert np.array_equal(out["pts"][j].numpy(), make(i)["pts"])
+                    assert np.array_equal(out["x"][j].numpy(), make(i)["x"])
+                    seen.append(i)
+            assert sorted(seen) == list(range(7))
+        finally:
+            dm.teardown("fit")

@@ -134,15 +134,17 @@ class Photos(OptimizedDataModule):
         val_per_class: Validation photos per class.
         classes: Number of classes.
         data_seed: Seed the photos are drawn from.
+        sides: Smallest and largest side of the photos in pixels.
         batch_size: Training batch size.
         **kwargs: Any other :class:`~lightning_fastdata.OptimizedDataModule` argument
             (``encode``, ``max_side``, ``train_augment``, ``eval_augment``, ``strategy``, ...).
     """
 
     def __init__(self, root: str = "imagenet_like_data", train_per_class: int = 200, val_per_class: int = 50,
-                 classes: int = 4, data_seed: int = 0, batch_size: int = 64, **kwargs: Any) -> None:
+                 classes: int = 4, data_seed: int = 0, sides: tuple[int, int] = (200, 600), batch_size: int = 64,
+                 **kwargs: Any) -> None:
         super().__init__(batch_size=batch_size, **kwargs)
-        self.root, self.classes, self.data_seed = root, classes, data_seed
+        self.root, self.classes, self.data_seed, self.sides = root, classes, data_seed, tuple(sides)
         self.per_split = {"train": train_per_class, "val": val_per_class}
 
     def source(self, split: str) -> Any:
@@ -151,7 +153,7 @@ class Photos(OptimizedDataModule):
 
         if split not in self.per_split:
             return None
-        root = write_photos(self.root, self.per_split, self.classes, seed=self.data_seed)
+        root = write_photos(self.root, self.per_split, self.classes, sides=self.sides, seed=self.data_seed)
         return ImageFolder(str(root / split), loader=read_bytes)
 
     def static_transform(self, sample: Any) -> dict[str, Any]:

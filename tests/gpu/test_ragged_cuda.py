@@ -88,3 +88,32 @@ def test_jpeg_bytes_stay_on_the_host_and_decode_onto_the_gpu(tmp_path):
         ref = decode_jpegs(jpeg.tensors(), torch.device("cpu"))
         # nvJPEG's IDCT may round differently from libjpeg-turbo's by a few levels.
         assert all((a.cpu().int() - b.int()).abs().max() <= 8 for a, b in zip(images, ref, strict=True))
+
+
+def test_list_fields_of_batches_prepared_ahead_are_recorded_on_the_consumers_stream(monkeypatch):
+    """A ragged field a prepare leaves a list (no size-fixing op) is made on the ahead thread's
+    side stream: each of its tensors must record the consumer's stream, as the others do, or
+    the allocator may hand its memory to the next batch while the step still reads it."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    store = _store(64)
+    recorded: set[int] = set()
+    real = torch.Tensor.record_stream
+
+    def record(self, stream):
+        recorded.add(self.data_ptr())
+        return real(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record)
+
+    def as_lists(batch):
+        from lightning_fastdata.loaders import FastBatch
+
+        leaves = [leaf.tensors() if isinstance(leaf, RaggedBatch) else leaf for leaf in batch.leaves]
+        return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)
+
+    loader = device_loader(store, ShardedOrder(64, 16, seed=4), device)
+    loader.prepare, loader.ahead = as_lists, 2
+    for batch in loader:
+        for images in batch.leaves[:2]:
+            assert isinstance(images, list)
+            assert all(t.data_ptr() in recorded for t in images if t.numel())
