@@ -260,10 +260,11 @@ def volumes(results: Path) -> str:
     same = "the same output on every side" if d["same_output_shapes"] and d["same_output_dtypes"] else (
         "**the sides' outputs differ** (see the JSON)")
     gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    rounds = ", the sides taking turns" if d.get("interleaved") else ""
     lines += ["", f"{d['volumes']} volumes 1x{d['side']}^3 int16 + uint8 masks, {d['crop']}^3 crops, batch "
-              f"{d['batch_size']}: {d['work']}; {same}. Median of {d['repeats']} repeat(s) of {d['batches']} "
-              f"batches on {m['device']}{gpu} ({m['affinity']} CPUs, {m['torch_threads']} torch thread(s), torch "
-              f"{m['torch']}, MONAI {m.get('monai', '?')})."]
+              f"{d['batch_size']}: {d['work']}; {same}. Median of {d['repeats']} timed segment(s) of {d['batches']} "
+              f"batches per side{rounds} on {m['device']}{gpu} ({m['affinity']} CPUs, {m['torch_threads']} torch "
+              f"thread(s), torch {m['torch']}, MONAI {m.get('monai', '?')})."]
     if d.get("host_memory"):
         lines[-1] += f" Host memory: {d['host_memory']}."
     lines += ["", _source("volumes.json", quick=bool(d.get("quick")))]

@@ -7,15 +7,17 @@ random C^3 crop centred on foreground or background with equal odds (MONAI's
 independently with probability 0.5, windowed from HU [-1000, 1000] to [0, 1] and
 scaled by a random factor in [0.9, 1.1]; batches of float32 images (B, 1, C, C, C) and
 their masks, delivered on ``--device``. Loader-only: no model; median samples/s over
-``--repeats`` timed segments of ``--batches`` batches after ``--warmup`` untimed ones.
+``--repeats`` timed segments of ``--batches`` batches after ``--warmup`` untimed ones. The
+sides take turns: each round times one segment of every side, so a slow spell of a shared
+machine falls on all of them, not on whichever happened to run then.
 
 - ``monai DataLoader``: MONAI's usual recipe. ``CacheDataset`` caches the deterministic
   part (``EnsureTyped``, ``ScaleIntensityRanged``, ``FgBgToIndicesd``: the foreground
   and background voxel indices, so crops need not scan the mask), then
   ``RandCropByPosNegLabeld`` (with those indices), ``RandFlipd`` on each axis,
   ``RandScaleIntensityd``, ``EnsureTyped`` per sample in ``monai.data.DataLoader``
-  workers, at every ``--workers`` count (default 0, 1, 2, 4, ... up to the cores); the
-  best is reported.
+  workers (persistent, so they are not restarted every epoch of 4 batches), at every
+  ``--workers`` count (default 0, 1, 2, 4, ... up to the cores); the best is reported.
 - ``monai ThreadDataLoader``: MONAI's GPU-cache recipe (its fast-training tutorial):
   the cached transforms end in ``EnsureTyped(device=...)``, so the cache lives on the
   device and the random transforms run there, per sample, in ``ThreadDataLoader``
@@ -59,7 +61,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -141,14 +143,35 @@ def time_batches(batches: Iterable[dict[str, Any]], device: torch.device, count:
     return samples / (time.perf_counter() - start), first or {}
 
 
-def _repeat(make: Callable[[], Iterable[Any]], args: argparse.Namespace, device: torch.device,
-            finish: Callable[[Any], dict[str, Any]] | None = None) -> tuple[list[float], dict[str, Any]]:
-    """``--repeats`` timed segments, each from a fresh iterator of an endless loader."""
-    rates, shapes = [], {}
+class Side(NamedTuple):
+    """One loader of the comparison: ``make()`` gives a fresh endless iterator of its batches,
+    ``finish`` turns a batch into its output on the device, ``close`` releases it at the end."""
+
+    loader: str
+    settings: str
+    num_workers: int
+    make: Callable[[], Iterable[Any]]
+    finish: Callable[[Any], dict[str, Any]] | None
+    cache_s: float
+    close: Callable[[], None] = lambda: None
+
+
+def run_sides(sides: list[Side], args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """``--repeats`` rounds; in each, one timed segment of every side in turn (so a slow spell of
+    the machine falls on every side alike, not on whichever ran then); a row per side with the
+    median samples/s."""
+    rates: list[list[float]] = [[] for _ in sides]
+    shapes: list[dict[str, Any]] = [{} for _ in sides]
     for _ in range(args.repeats):
-        rate, shapes = time_batches(make(), device, args.batches, args.warmup, finish)
-        rates.append(rate)
-    return rates, shapes
+        for j, side in enumerate(sides):
+            rate, shapes[j] = time_batches(side.make(), device, args.batches, args.warmup, side.finish)
+            rates[j].append(rate)
+    rows = []
+    for side, r, shape in zip(sides, rates, shapes, strict=True):
+        print(f"  {side.loader} ({side.settings}): {statistics.median(r):,.1f} samples/s", file=sys.stderr)
+        rows.append({"loader": side.loader, "settings": side.settings, "num_workers": side.num_workers,
+                     "samples_per_s": statistics.median(r), "rates": r, "cache_s": side.cache_s, "output": shape})
+    return rows
 
 
 def _endless(loader: Iterable[Any]) -> Iterable[Any]:
@@ -209,28 +232,23 @@ def _monai_finish(device: torch.device) -> Callable[[Any], dict[str, Any]]:
     return finish
 
 
-def bench_monai_dataloader(images: np.ndarray, labels: np.ndarray, args: argparse.Namespace,
-                           device: torch.device) -> list[dict]:
+def monai_dataloader_sides(images: np.ndarray, labels: np.ndarray, args: argparse.Namespace,
+                           device: torch.device) -> list[Side]:
     """MONAI CacheDataset + DataLoader (random transforms per sample in workers), at each worker count."""
     from monai.data import DataLoader
 
     ds, cache_s = _monai_dataset(images, labels, args.crop, None)
-    rows = []
-    for nw in args.workers:
-        def make(nw: int = nw) -> Iterable[Any]:
-            return _endless(DataLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=nw,
-                                       pin_memory=device.type == "cuda", persistent_workers=False,
-                                       prefetch_factor=2 if nw else None, drop_last=True))
-        rates, shapes = _repeat(make, args, device, _monai_finish(device))
-        rows.append({"loader": "monai DataLoader", "settings": f"CacheDataset, num_workers={nw}", "num_workers": nw,
-                     "samples_per_s": statistics.median(rates), "rates": rates, "cache_s": cache_s,
-                     "output": shapes})
-        print(f"  monai DataLoader num_workers={nw}: {statistics.median(rates):,.1f} samples/s", file=sys.stderr)
-    return rows
+
+    def make(nw: int) -> Callable[[], Iterable[Any]]:
+        return lambda: _endless(DataLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=nw,
+                                           pin_memory=device.type == "cuda", persistent_workers=nw > 0,
+                                           prefetch_factor=2 if nw else None, drop_last=True))
+
+    return [Side("monai DataLoader", f"CacheDataset, num_workers={nw}" + (", persistent" if nw else ""), nw, make(nw),
+                 _monai_finish(device), cache_s) for nw in args.workers]
 
 
-def bench_monai_thread(images: np.ndarray, labels: np.ndarray, args: argparse.Namespace,
-                       device: torch.device) -> list[dict]:
+def monai_thread_side(images: np.ndarray, labels: np.ndarray, args: argparse.Namespace, device: torch.device) -> Side:
     """MONAI's GPU-cache recipe: the cache on the device, random transforms there, ThreadDataLoader."""
     from monai.data import ThreadDataLoader
 
@@ -239,11 +257,8 @@ def bench_monai_thread(images: np.ndarray, labels: np.ndarray, args: argparse.Na
     def make() -> Iterable[Any]:
         return _endless(ThreadDataLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=0,
                                          drop_last=True))
-    rates, shapes = _repeat(make, args, device, _monai_finish(device))
-    print(f"  monai ThreadDataLoader: {statistics.median(rates):,.1f} samples/s", file=sys.stderr)
-    return [{"loader": "monai ThreadDataLoader", "settings": f"CacheDataset on {device.type}, num_workers=0",
-             "num_workers": 0, "samples_per_s": statistics.median(rates), "rates": rates, "cache_s": cache_s,
-             "output": shapes}]
+    return Side("monai ThreadDataLoader", f"CacheDataset on {device.type}, num_workers=0", 0, make,
+                _monai_finish(device), cache_s)
 
 
 # --------------------------------------------------------------------------- lightning_fastdata
@@ -283,8 +298,8 @@ def fastdata_augment(crop: int) -> A.BatchTransform:
     ])
 
 
-def bench_fastdata(images: np.ndarray, labels: np.ndarray, work: Path, args: argparse.Namespace,
-                   device: torch.device) -> list[dict]:
+def fastdata_side(images: np.ndarray, labels: np.ndarray, work: Path, args: argparse.Namespace,
+                  device: torch.device) -> Side:
     """lightning_fastdata's device strategy: the training loader with its batched augmentation."""
     dm = BenchVolumes(images, labels, batch_size=args.batch_size, strategy="device", device=str(device),
                       keep_freed_memory=not args.default_malloc,
@@ -308,17 +323,15 @@ def bench_fastdata(images: np.ndarray, labels: np.ndarray, work: Path, args: arg
         return batch.structure() if batch.prepared else dm.augment_batch(batch)
 
     loader = dm.train_dataloader()
-    try:
-        rates, shapes = _repeat(lambda: _endless(loader), args, device, finish)
-    finally:
-        close = getattr(loader, "close", None)
-        if close is not None:
-            close()
+
+    def close() -> None:
+        shut = getattr(loader, "close", None)
+        if shut is not None:
+            shut()
         dm.teardown("fit")
-    print(f"  lightning_fastdata device: {statistics.median(rates):,.1f} samples/s", file=sys.stderr)
-    return [{"loader": "lightning_fastdata device", "settings": f"store on {device.type}, batched augmentation",
-             "num_workers": 0, "samples_per_s": statistics.median(rates), "rates": rates, "cache_s": cache_s,
-             "output": shapes}]
+
+    return Side("lightning_fastdata device", f"store on {device.type}, batched augmentation", 0,
+                lambda: _endless(loader), finish, cache_s, close)
 
 
 # --------------------------------------------------------------------------- report
@@ -372,9 +385,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--side", type=int, default=128, help="volume side S (1 x S^3 int16)")
     p.add_argument("--crop", type=int, default=96, help="crop side C")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--batches", type=int, default=20, help="timed batches per repeat")
-    p.add_argument("--warmup", type=int, default=3, help="untimed batches per repeat")
-    p.add_argument("--repeats", type=int, default=3, help="timed segments; the median is reported")
+    p.add_argument("--batches", type=int, default=40, help="timed batches per segment")
+    p.add_argument("--warmup", type=int, default=3, help="untimed batches before each segment")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="rounds of timed segments, one per side in turn; each side's median is reported")
     p.add_argument("--workers", type=int, nargs="+", default=None,
                    help="num_workers tried for MONAI's DataLoader (default 0, 1, 2, 4, ... up to the cores)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -406,11 +420,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"volumes: {args.volumes} x 1x{args.side}^3 int16 + uint8 masks, {args.crop}^3 crops, batch "
           f"{args.batch_size}, on {device}", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="lfd-volumes-"))
+    sides: list[Side] = []
     try:
-        rows = bench_monai_dataloader(images, labels, args, device)
-        rows += bench_monai_thread(images, labels, args, device)
-        rows += bench_fastdata(images, labels, work, args, device)
+        sides += monai_dataloader_sides(images, labels, args, device)
+        sides.append(monai_thread_side(images, labels, args, device))
+        sides.append(fastdata_side(images, labels, work, args, device))
+        rows = run_sides(sides, args, device)
     finally:
+        for side in sides:
+            side.close()
         shutil.rmtree(work, ignore_errors=True)
     summary = [r for r in (best_of(rows, n) for n in ("monai DataLoader", "monai ThreadDataLoader",
                                                        "lightning_fastdata device")) if r is not None]
@@ -423,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python benchmarks/volumes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": args.quick, "machine": machine(device), "volumes": args.volumes, "side": args.side,
         "crop": args.crop, "batch_size": args.batch_size, "batches": args.batches, "warmup": args.warmup,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "interleaved": True,
         "host_memory": host_memory_state() + (" on every side" if kept else ""),
         "work": (f"RandCropByPosNegLabeld-equivalent {args.crop}^3 crops (pos=1, neg=1), a flip per spatial axis "
                  f"(p=0.5 each), HU [{HU_MIN}, {HU_MAX}] -> [0, 1] clipped, intensity x U(1 - {SCALE}, 1 + {SCALE})"),

@@ -36,11 +36,13 @@ wait for the device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from lightning_fastdata import augment_crop
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
@@ -61,6 +63,8 @@ from lightning_fastdata.augment_intensity import (
     RandomScaleIntensity,
     RandomShiftIntensity,
     ScaleIntensityRange,
+    chain_steps,
+    pointwise_windows,
     run_pointwise,
 )
 from lightning_fastdata.augment_resample import RandomAffine, RandomResizedCrop, RandomRotation
@@ -126,6 +130,51 @@ def _pointwise(op: Callable) -> bool:
 _POINTWISE = (ScaleIntensityRange, RandomScaleIntensity, RandomShiftIntensity)
 
 
+def _keyed_chain_end(ops: Sequence[Callable], start: int) -> int:
+    """The end of the run of built-in pointwise intensity ops from ``start`` (``start`` when
+    none): ops whose parameters depend on the keys only, so they can be drawn before the
+    crop they follow has cut anything."""
+    end = start
+    while end < len(ops) and type(ops[end]) in _POINTWISE:
+        end += 1
+    return end
+
+
+def _windows_into_chain(op: RandomCrop | RandomCropByLabel, batch: Batch) -> bool:
+    """Whether ``op``'s image windows can be cut straight into a following intensity chain:
+    on the CPU, unpadded windows, large enough that a loop over the samples pays."""
+    if not host_shortcuts(batch.device):
+        return False  # on accelerators the batched cut and chain launch few kernels already
+    if type(op) is RandomCrop and (any(op.padding) or op.pad_if_needed):
+        return False
+    return math.prod(op.window_size(batch)) >= augment_crop.WINDOWS_FROM_ELEMENTS
+
+
+def _crop_run(ops: Sequence[Callable], i: int, batch: Batch) -> tuple[Batch, int] | None:
+    """The crop ``ops[i]`` with what it fuses with: a following ``RandomFlip`` (mirrored
+    windows cut in one pass) and, on the CPU, a following chain of pointwise intensity ops
+    (image windows read straight into the chain: ``pointwise_windows``). The batch after the
+    run and the index of the next op; None when nothing follows that fuses."""
+    op, keys = ops[i], batch.keys
+    nxt = ops[i + 1] if i + 1 < len(ops) else None
+    start = i + 2 if _fusable_flip(nxt) else i + 1
+    end = _keyed_chain_end(ops, start)
+    into_chain = end > start and _windows_into_chain(op, batch)  # type: ignore[arg-type]
+    if start == i + 1 and not into_chain:
+        return None
+    extra: dict[str, Any] = {}
+    if start == i + 2:
+        extra = {"flip": nxt.make_params(batch.replace(keys=keys.child(i + 1)))["flip"],  # type: ignore[union-attr]
+                 "flip_dims": nxt.dims}  # type: ignore[union-attr]
+    if into_chain:
+        # The chain's parameters depend on the keys only (not on the window's pixels).
+        chain = [(ops[j], ops[j].make_params(batch.replace(keys=keys.child(j)))) for j in range(start, end)]
+        extra["image_cut"] = lambda x, rows, offset, size, mirror: pointwise_windows(
+            x, offset, size, mirror, chain_steps(chain, x.dtype), rows)  # type: ignore[arg-type]
+    crop = op.make_params(batch.replace(keys=keys.child(i)))  # type: ignore[union-attr]
+    return op.apply_batch(batch, **crop, **extra), end if into_chain else start  # type: ignore[union-attr]
+
+
 class Compose(BatchTransform):
     """Apply ops in order; the op at position i draws from ``keys.child(i)``.
 
@@ -137,6 +186,9 @@ class Compose(BatchTransform):
     - consecutive ``ScaleIntensityRange``, ``RandomScaleIntensity`` and
       ``RandomShiftIntensity`` run as one chain of elementwise steps (the same float
       operations in the same order, over cache-sized chunks on the CPU);
+    - on the CPU, such a chain right after a crop (and its flip) reads the image windows
+      straight from the input, a slab at a time, into the chain (no cut batch in between),
+      for windows of at least ``augment_crop.WINDOWS_FROM_ELEMENTS`` voxels;
     - a ``RandomResizedCrop`` followed by ``RandomHorizontalFlip`` (or ``RandomFlip`` of the
       last axis) mirrors the new crops in place (no copy of the batch for the flip);
     - ``Resize(int)`` followed by ``CenterCrop`` on a list of images, on an accelerator,
@@ -178,12 +230,11 @@ class Compose(BatchTransform):
         while i < len(ops):
             op = ops[i]
             nxt = ops[i + 1] if i + 1 < len(ops) else None
-            if _fusable_crop(op) and _fusable_flip(nxt) and not batch.ragged:
-                crop = op.make_params(batch.replace(keys=keys.child(i)))
-                flip = nxt.make_params(batch.replace(keys=keys.child(i + 1)))  # type: ignore[union-attr]
-                batch = op.apply_batch(batch, **crop, flip=flip["flip"], flip_dims=nxt.dims)  # type: ignore[union-attr]
-                i += 2
-                continue
+            if _fusable_crop(op) and not batch.ragged:
+                fused = _crop_run(ops, i, batch)
+                if fused is not None:
+                    batch, i = fused
+                    continue
             if type(op) is RandomResizedCrop and _fusable_flip(nxt) and nxt.dims == (-1,):  # type: ignore[union-attr]
                 # The flip's coins depend on the keys only: drawn first, the resized crops are
                 # written mirrored (by the CPU pool's threads) or mirrored in place, never copied

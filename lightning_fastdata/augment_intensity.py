@@ -25,6 +25,7 @@ from lightning_fastdata.augment_base import (
     probability,
     scratch,
 )
+from lightning_fastdata.augment_crop import cut_windows
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -67,24 +68,25 @@ class PointwiseIntensity(BatchTransform):
 
 def run_pointwise(batch: Batch, chain: Sequence[tuple[PointwiseIntensity, dict[str, Any]]]) -> Batch:
     """Run ops (each with its drawn parameters) on every image field as one chain of steps."""
-    def run(x: torch.Tensor) -> torch.Tensor:
-        steps: list[Step] = []
-        dtype = x.dtype
-        for op, params in chain:
-            for step in op.steps(dtype, **params):
-                if step[0] == "cast":
-                    dtype = step[1]
-                steps.append(step)
-        return _run_steps(x, steps)
-
-    return batch.map(image=run)
+    return batch.map(image=lambda x: _run_steps(x, chain_steps(chain, x.dtype)))
 
 
-def _run_steps(x: torch.Tensor, steps: list[Step]) -> torch.Tensor:
-    """A new tensor: ``steps`` on ``x``, in chunks that stay in cache on the CPU."""
-    # Every chain starts with a copy into a working buffer (a cast to x's dtype if need be);
-    # casts that keep the dtype are dropped. The last cast writes into the output.
-    work: list[Step] = [steps[0] if steps and steps[0][0] == "cast" else ("cast", x.dtype)]
+def chain_steps(chain: Sequence[tuple[PointwiseIntensity, dict[str, Any]]], dtype: torch.dtype) -> list[Step]:
+    """The steps of ``chain`` (ops with their drawn parameters) on an image field of ``dtype``."""
+    steps: list[Step] = []
+    for op, params in chain:
+        for step in op.steps(dtype, **params):
+            if step[0] == "cast":
+                dtype = step[1]
+            steps.append(step)
+    return steps
+
+
+def _work_steps(steps: list[Step], dtype: torch.dtype) -> list[Step]:
+    """``steps`` on an input of ``dtype`` as run: starting with a copy into a working buffer (a
+    cast to ``dtype`` if need be), casts that keep the dtype dropped; the last cast writes
+    into the output."""
+    work: list[Step] = [steps[0] if steps and steps[0][0] == "cast" else ("cast", dtype)]
     dtype = work[0][1]
     for kind, value in steps[1:] if steps and steps[0][0] == "cast" else steps:
         if kind == "cast":
@@ -92,7 +94,18 @@ def _run_steps(x: torch.Tensor, steps: list[Step]) -> torch.Tensor:
                 continue
             dtype = value
         work.append((kind, value))
-    out = torch.empty_like(x, dtype=dtype)
+    return work
+
+
+def _out_dtype(work: list[Step]) -> torch.dtype:
+    """The dtype the work steps end in: their last cast's."""
+    return [value for kind, value in work if kind == "cast"][-1]
+
+
+def _run_steps(x: torch.Tensor, steps: list[Step]) -> torch.Tensor:
+    """A new tensor: ``steps`` on ``x``, in chunks that stay in cache on the CPU."""
+    work = _work_steps(steps, x.dtype)
+    out = torch.empty_like(x, dtype=_out_dtype(work))
     n = x.shape[0]
     if x.device.type != "cpu" or not x.is_contiguous() or not out.is_contiguous() or not x.numel():
         _run_chunk(x, out, work, lambda v: bcast(v, x.ndim))
@@ -109,6 +122,24 @@ def _run_steps(x: torch.Tensor, steps: list[Step]) -> torch.Tensor:
             _run_chunk(src[i, c:c + POINTWISE_CHUNK], dst[i, c:c + POINTWISE_CHUNK], work,
                        lambda v, i=i: v[i:i + 1])
     return out
+
+
+def pointwise_windows(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], mirror: torch.Tensor | None,
+                      steps: list[Step], rows: torch.Tensor | None = None) -> torch.Tensor:
+    """On the CPU, each sample's window of ``x`` at ``offset`` (N, sd), of ``size``, mirrored
+    along the spatial axes where ``mirror`` (bool (N, sd), or None) is set, run through
+    ``steps`` and written straight into a new tensor: bit-identical to cutting the windows,
+    flipping them, then running the steps (each step is elementwise), without the cut
+    batch in between, which costs a write and a read of every window.
+
+    ``x`` is (N, ..., *spatial), or, with ``rows`` (int64 (N,)), a whole field whose row
+    ``rows[i]`` is sample i. Windows are read in slabs of about ``POINTWISE_CHUNK``
+    elements (:func:`~lightning_fastdata.augment_crop.cut_windows`), so each slab stays in
+    cache through the steps.
+    """
+    work = _work_steps(steps, x.dtype)
+    return cut_windows(x, offset, size, mirror, rows, _out_dtype(work), POINTWISE_CHUNK,
+                       lambda part, dst, i: _run_chunk(part, dst, work, lambda v: v[i:i + 1]))
 
 
 def _run_chunk(src: torch.Tensor, dst: torch.Tensor, steps: list[Step], per_sample: Any) -> None:

@@ -83,11 +83,14 @@ def ragged_masks(sizes=RAGGED_SIZES) -> list[torch.Tensor]:
     return [(torch.arange(h * w).view(h, w) * 7 // 5) % 7 for h, w in sizes]
 
 
-@pytest.fixture(params=["mirror-in-cut", "mirror-after-cut"])
+@pytest.fixture(params=["mirror-in-cut", "mirror-after-cut", "per-sample-windows"])
 def mirror_regimes(request, monkeypatch):
     """Run a test with every window mirrored along the last axis inside the cut (mirrored
-    sources, as for small windows) and after it (in place, as for large windows)."""
+    sources, as for small windows), after it (in place, as for large windows), and, on the
+    CPU, with every unpadded mirrored window, or window run into an intensity chain, cut
+    sample by sample in slabs (``cut_windows``, as for volumes)."""
     from lightning_fastdata import augment_crop
 
     monkeypatch.setattr(augment_crop, "MIRROR_AFTER_ELEMENTS", 1 << 62 if request.param == "mirror-in-cut" else 0)
+    monkeypatch.setattr(augment_crop, "WINDOWS_FROM_ELEMENTS", 0 if request.param == "per-sample-windows" else 1 << 62)
     return request.param

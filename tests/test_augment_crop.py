@@ -221,7 +221,7 @@ def test_window_crop_mirrors_rows_like_torch_flip(shape, size, padding):
 
 
 @pytest.mark.parametrize("dims", [(-1,), (-2,), (-3,), (-3, -1), (-2, -1), (-3, -2, -1), (-1, -3)])
-@pytest.mark.parametrize("crop", ["random", "label"])
+@pytest.mark.parametrize("crop", ["random", "random-unpadded", "label"])
 @pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.float32])
 @pytest.mark.usefixtures("both_paths", "mirror_regimes")
 def test_fused_crop_and_flip_over_any_axes_equal_the_ops_in_sequence(dims, crop, dtype):
@@ -232,8 +232,8 @@ def test_fused_crop_and_flip_over_any_axes_equal_the_ops_in_sequence(dims, crop,
     vol = _batch((n, 2, 9, 10, 11), dtype, seed=15)
     lab = _labels(n, (9, 10, 11), fg_share=0.1, seed=16)
     batch = A.Batch({"image": vol, "label": lab}, {"image": "image", "label": "mask"}, keys(n, seed=17))
-    first = (A.RandomCrop((5, 6, 7), padding=(1, 0, 2), fill=3) if crop == "random"
-             else A.RandomCropByLabel((5, 6, 7), pos=1, neg=1, label="label"))
+    first = {"random": A.RandomCrop((5, 6, 7), padding=(1, 0, 2), fill=3), "random-unpadded": A.RandomCrop((5, 6, 7)),
+             "label": A.RandomCropByLabel((5, 6, 7), pos=1, neg=1, label="label")}[crop]
     flip = A.RandomFlip(dims=dims, p=0.5)
     fused = A.Compose([first, flip])(batch)
     seq = flip(first(batch, batch.keys.child(0)), batch.keys.child(1))
@@ -530,7 +530,7 @@ def _label_store(rows, channels, spatial, dtype, seed=0):
 
 @pytest.mark.parametrize("spatial,channels,dtype", [((37, 41, 23), 1, torch.uint8), ((20, 30, 40), 2, torch.int16),
                                                     ((33, 17), 3, torch.float32)])
-@pytest.mark.usefixtures("both_paths")
+@pytest.mark.usefixtures("both_paths", "mirror_regimes")
 def test_windows_cut_from_store_rows_equal_those_of_the_gathered_batch(spatial, channels, dtype, monkeypatch):
     """The device loader hands a crop-first pipeline the store's rows (StoreRows): the windows cut
     from the store, and the centres drawn from the kept label counts, are those of the gathered batch.
@@ -566,6 +566,37 @@ def test_windows_cut_from_store_rows_equal_those_of_the_gathered_batch(spatial, 
             ref = pipeline(A.Batch({"image": img[rows], "label": lab[rows]}, kinds, k))
             for name in kinds:
                 assert torch.equal(out.fields[name], ref.fields[name]), (pipeline, epoch, name)
+
+
+@pytest.mark.parametrize("spatial,channels,dtype", [((37, 41, 23), 1, torch.uint8), ((20, 30, 40), 2, torch.int16),
+                                                    ((33, 17), 3, torch.float32), ((16, 16, 8), 1, torch.bool),
+                                                    ((9, 70, 5), 2, torch.bfloat16), ((12, 11, 10), 1, torch.uint16)])
+@pytest.mark.parametrize("pos, neg", [(1, 1), (3, 1), (0, 1), (1, 0)])
+def test_the_cpu_draws_the_same_centres_as_the_accelerator_path(spatial, channels, dtype, pos, neg, monkeypatch):
+    """On the CPU, RandomCropByLabel draws its centres with numpy, sample by sample; on
+    accelerators with batched torch ops and no host sync. For every label dtype, channel count,
+    voxel count (whole blocks or not), rows without foreground or background, from the store's
+    rows and from a batch tensor, both give the same centres, windows and foreground flags."""
+    from lightning_fastdata import augment_base
+
+    lab = _label_store(6, channels, spatial, dtype, seed=11)
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 2, 0, 1])
+    op = A.RandomCropByLabel(tuple(max(1, s // 3) for s in spatial), pos=pos, neg=neg)
+    draws = {}
+    for host in (True, False):
+        monkeypatch.setattr(augment_base, "HOST_SHORTCUTS", host)
+        for epoch in range(3):
+            k = A.SampleKeys(5, epoch, rows)
+            for form, field in (("rows", StoreRows(lab, rows)), ("batch", lab[rows])):
+                draws[host, epoch, form] = op.draw(A.Batch({"label": field}, {"label": "mask"}, k,
+                                                           spatial_dims=len(spatial)), k)
+    for epoch in range(3):
+        ref = draws[False, epoch, "batch"]
+        for host, form in ((True, "rows"), (True, "batch"), (False, "rows")):
+            got = draws[host, epoch, form]
+            for name in ("center", "offset", "foreground"):
+                assert got[name].dtype == ref[name].dtype and torch.equal(got[name], ref[name]), (host, form, name)
+    assert not bool(draws[True, 0, "rows"]["foreground"][0]) and bool(draws[True, 0, "rows"]["foreground"][1])
 
 
 def test_the_kept_label_counts_follow_the_store_label():

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
-from _augment_util import close, images, keys, ks_ok, within_binomial
+from _augment_util import both_paths, close, images, keys, ks_ok, mirror_regimes, within_binomial  # noqa: F401
 
 from lightning_fastdata import augment as A
+from lightning_fastdata.augment_base import StoreRows
 
 
 def _ct(n=3, shape=(1, 5, 6, 7), dtype=torch.int16, seed=0):
@@ -178,6 +179,60 @@ def test_compose_chains_intensity_ops_bit_identical_to_one_by_one(dtype, target,
         assert fused.fields[name].dtype == seq.fields[name].dtype
         assert torch.equal(fused.fields[name], seq.fields[name])
     assert fused.fields["label"] is lab
+
+
+class _MyWindow(A.ScaleIntensityRange):
+    """A user's subclass: its parameters might depend on the pixels, so it is never drawn
+    before the crop it follows has cut anything (it runs after the cut, as one by one)."""
+
+
+@pytest.mark.parametrize("crop", ["label", "random", "random-padded", "subclass"])
+@pytest.mark.parametrize("flip_dims", [None, (-1,), (-2,), (-3, -2, -1)], ids=["no-flip", "W", "H", "DHW"])
+@pytest.mark.parametrize("from_rows", [False, True], ids=["batch", "store-rows"])
+@pytest.mark.parametrize("chunk", [1 << 19, 150], ids=["whole-windows", "slabs-of-planes"])
+@pytest.mark.usefixtures("both_paths", "mirror_regimes")
+def test_crop_flip_and_intensity_chain_fused_equal_the_ops_one_by_one(crop, flip_dims, from_rows, chunk, monkeypatch):
+    """On the CPU, Compose cuts a crop's image windows (mirrored by a following flip) straight
+    into the intensity chain after it, a slab at a time (``pointwise_windows``): the same draws
+    and the same bits as the ops one after the other, for int16 (two channels), float32 and uint8
+    image fields, from a batch or from the store's rows (repeated rows too); masks cut alike, and
+    ``other`` fields untouched. Padded crops and a user's subclass take the unfused path."""
+    from lightning_fastdata import augment, augment_base, augment_crop, augment_intensity
+
+    monkeypatch.setattr(augment_intensity, "POINTWISE_CHUNK", chunk)
+    calls = []
+    real = augment.pointwise_windows
+    monkeypatch.setattr(augment, "pointwise_windows", lambda *a: calls.append(a[0].dtype) or real(*a))
+    store = _ct(9, (2, 9, 10, 11), seed=5)
+    second = store[:, :1].to(torch.float32) * 0.5 + 3  # another image field, another dtype
+    third = (store[:, :1] % 251).to(torch.uint8)  # and a third
+    lab = (store[:, :1] > 500).to(torch.uint8)
+    rows = torch.tensor([4, 0, 8, 4, 2, 7])
+    k = A.SampleKeys(1, 2, rows)
+    kinds = {"image": "image", "second": "image", "third": "image", "label": "mask", "id": "other"}
+    ident = torch.arange(6) * 10
+    if from_rows:
+        fields = {"image": StoreRows(store, rows), "second": StoreRows(second, rows), "third": StoreRows(third, rows),
+                  "label": StoreRows(lab, rows)}
+    else:
+        fields = {"image": store[rows], "second": second[rows], "third": third[rows], "label": lab[rows]}
+    batch = A.Batch({**fields, "id": ident}, kinds, k)
+    first = {"label": A.RandomCropByLabel((5, 6, 7)), "random": A.RandomCrop((5, 6, 7)),
+             "random-padded": A.RandomCrop((5, 6, 7), padding=1), "subclass": A.RandomCropByLabel((5, 6, 7))}[crop]
+    window = (_MyWindow if crop == "subclass" else A.ScaleIntensityRange)(-1000, 1000, clip=True)
+    ops = [first, *([A.RandomFlip(dims=flip_dims)] if flip_dims else []), window,
+           A.RandomScaleIntensity(0.1, p=0.7), A.RandomShiftIntensity(0.05), A.RandomAdjustContrast()]
+    fused = A.Compose(ops)(batch)
+    seq = A.Batch({"image": store[rows], "second": second[rows], "third": third[rows], "label": lab[rows],
+                   "id": ident}, kinds, k)
+    for i, op in enumerate(ops):
+        seq = op(seq, k.child(i))
+    for name in kinds:
+        assert fused.fields[name].dtype == seq.fields[name].dtype, name
+        assert torch.equal(fused.fields[name], seq.fields[name]), name
+    assert fused.fields["id"] is ident
+    windows = augment_base.HOST_SHORTCUTS and augment_crop.WINDOWS_FROM_ELEMENTS == 0 and crop in ("label", "random")
+    assert calls == ([torch.int16, torch.float32, torch.uint8] if windows else [])
 
 
 def test_intensity_chain_keeps_channels_last_and_the_input():
