@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lightning_fastdata._pool import default_threads, map_runs
 from lightning_fastdata.augment_base import (
+    INT_MAX,
     Batch,
     BatchTransform,
     chunk_rows,
@@ -627,6 +628,22 @@ class RandomAffine(BatchTransform):
             return 0.0, 0.0
         return self.center[0] - width * 0.5, self.center[1] - height * 0.5
 
+    def _check_fill(self, batch: Batch) -> None:
+        """Refuse a ``fill`` an integer image cannot hold: it was clamped into the dtype's
+        range without a word (uint8 ``fill=-1`` filled 0, ``fill=300`` filled 255), where
+        ``RandomCrop`` refuses the same fill."""
+        for name in batch.names("image"):
+            dtype = batch.field_dtype(name)
+            if dtype not in INT_MAX:
+                continue
+            top = INT_MAX[dtype]
+            low = -top - 1 if dtype.is_signed else 0
+            if any(not low <= v <= top for v in self.fill):
+                shown = self.fill[0] if len(self.fill) == 1 else self.fill
+                raise ValueError(f"{type(self).__name__} fill={shown!r} does not fit the image field {name!r} "
+                                 f"({dtype}, values {low}..{top}); give a fill in that range, or convert the "
+                                 "image first")
+
     def matrix(self, batch: Batch, **params: torch.Tensor) -> torch.Tensor:
         """The per-sample inverse maps at ``params``: (N, 2, 3) over (x, y), or (N, 3, 4) over (d, h, w)."""
         if batch.spatial_dims == 3:
@@ -639,6 +656,7 @@ class RandomAffine(BatchTransform):
     def apply_batch(self, batch: Batch, **params: torch.Tensor) -> Batch:
         """``F.affine`` of each sample with its own parameters, all at once."""
         refuse_bool_images(batch, type(self).__name__, "resamples pixel values into the image's dtype")
+        self._check_fill(batch)
         m = self.matrix(batch, **params)
         sd = batch.spatial_dims
         # Masks get the first image field's grid: its dtype and its CPU chunks (the grid of a

@@ -361,3 +361,29 @@ def test_ranges_refuse_infinite_bounds(make, match):
     came out filled (or as NaN) without an error."""
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("make", [lambda f: A.RandomAffine(30, fill=f), lambda f: A.RandomRotation(30, fill=f)],
+                         ids=["affine", "rotation"])
+@pytest.mark.parametrize("dtype, fill, shown", [(torch.uint8, -1, "-1.0"), (torch.uint8, 256, "256.0"),
+                                                (torch.uint8, [0, 300, 0], r"\[0.0, 300.0, 0.0\]"),
+                                                (torch.int16, -40000, "-40000.0"), (torch.uint16, 70000, "70000.0")])
+def test_resampling_ops_refuse_a_fill_outside_the_image_dtype(make, dtype, fill, shown):
+    """fill=-1 on a uint8 image was clamped to 0 without a word (300 to 255), where RandomCrop
+    refuses the same fill; refused with the field, the dtype's range and the fix."""
+    x = torch.full((2, 3, 9, 9), 7, dtype=dtype)
+    match = rf"fill={shown} does not fit the image field 'image' \({dtype}, values "
+    with pytest.raises(ValueError, match=match):
+        make(fill)(x, keys(2))
+    vol = torch.full((2, 3, 5, 9, 9), 7, dtype=dtype)
+    with pytest.raises(ValueError, match="does not fit the image field"):
+        make(fill)(vol, keys(2))
+
+
+def test_resampling_ops_fill_with_the_extremes_an_integer_image_holds():
+    x = torch.full((4, 1, 9, 9), 7, dtype=torch.uint8)
+    out = A.RandomRotation((40, 50), fill=255)(x, keys(4))
+    assert int(out.max()) == 255 and int(out.min()) == 7  # corners filled with 255, the middle kept
+    out = A.RandomAffine(0, translate=(0.5, 0.5), fill=0)(torch.full((4, 1, 9, 9), -32768, dtype=torch.int16),
+                                                          keys(4))
+    assert out.dtype == torch.int16 and int(out.min()) == -32768
