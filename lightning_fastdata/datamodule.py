@@ -505,9 +505,7 @@ class OptimizedDataModule(L.LightningDataModule):
         """Release device copies, shared memory and loaders of the stage's splits."""
         for split in _STAGE_SPLITS.get(stage or "fit", ()):
             self._stale.add(split)
-            loader = self._loaders.pop(split, None)
-            if hasattr(loader, "close"):
-                loader.close()  # persistent workers must not outlive the stage
+            _close(self._loaders.pop(split, None))  # persistent workers must not outlive the stage
             if self.placement is not None:
                 self.placement.release(split)
         for graphed in self._graphed.values():
@@ -517,8 +515,7 @@ class OptimizedDataModule(L.LightningDataModule):
         """The Trainer stopped on an exception (it skips ``teardown`` then): stop the loaders'
         background threads and worker processes now. They start again if iterated again."""
         for loader in self._loaders.values():
-            if hasattr(loader, "close"):
-                loader.close()
+            _close(loader)
 
     # ------------------------------------------------------------------ loaders
 
@@ -889,3 +886,9 @@ def _prepared(batch: FastBatch, augment: BatchTransform, seed: int, stream: int,
     """A DataLoader worker's prepare step (module-level, so a spawned worker can unpickle it)."""
     leaves = _augment_leaves(batch, augment, seed, stream, kinds)
     return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)
+
+
+def _close(loader: Any) -> None:
+    """Stop a loader's background threads and worker processes (loaders without ``close`` have none)."""
+    if hasattr(loader, "close"):
+        loader.close()
