@@ -651,13 +651,22 @@ def spatial_arg(value: int | Sequence[int], name: str, lowest: int = 0) -> tuple
     return out
 
 
+def volume_hint(wanted: int, sd: int) -> str:
+    """What to add to an error where an op wants ``wanted`` spatial dims of a batch with ``sd``:
+    a volume stored without its channel axis, (D, H, W), batches as 2-D images with D channels."""
+    if wanted == 3 and sd == 2:
+        return ("; if the samples are volumes stored without a channel axis, (D, H, W), they batch as 2-D images "
+                "of D channels: add the channel in static_transform (x[None]), volumes are (C, D, H, W)")
+    return ""
+
+
 def per_dim(value: tuple[int, ...], sd: int, name: str, op: str) -> tuple[int, ...]:
     """``spatial_arg`` output for a batch with ``sd`` spatial dims."""
     if len(value) == 1:
         return value * sd
     if len(value) != sd:
         raise ValueError(f"{op} {name}={value} has {len(value)} values but the batch has {sd} spatial dims; "
-                         f"give an int or {sd} values")
+                         f"give an int or {sd} values" + volume_hint(len(value), sd))
     return value
 
 

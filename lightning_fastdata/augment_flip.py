@@ -21,6 +21,7 @@ from lightning_fastdata.augment_base import (
     keep_format,
     probability,
     replace_rows,
+    volume_hint,
 )
 from lightning_fastdata.augment_crop import flip_window, mirror_last_
 
@@ -35,7 +36,7 @@ def _spatial_dims_arg(dims: int | Sequence[int], name: str, op: str) -> tuple[in
 def _check_axes(dims: tuple[int, ...], batch: Batch, op: str) -> None:
     if min(dims) < -batch.spatial_dims:
         raise ValueError(f"{op} dims={dims} names axis {min(dims)}, but the batch has {batch.spatial_dims} "
-                         "spatial dims (-2 is H, -1 is W; -3 is D for volumes)")
+                         "spatial dims (-2 is H, -1 is W; -3 is D for volumes)" + volume_hint(3, batch.spatial_dims))
 
 
 def flip_samples(x: torch.Tensor, flag: torch.Tensor, dim: int) -> torch.Tensor:

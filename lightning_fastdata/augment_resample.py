@@ -34,6 +34,7 @@ from lightning_fastdata.augment_base import (
     refuse_bool_images,
     spatial_arg,
     to_input_dtype,
+    volume_hint,
 )
 from lightning_fastdata.augment_crop import mirror_last_
 from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter, take
@@ -588,7 +589,8 @@ class RandomAffine(BatchTransform):
             self._check_3d(batch)
             return self._params_3d(batch)
         if self.translate is not None and len(self.translate) != 2:
-            raise ValueError(f"{type(self).__name__} translate={self.translate} needs 2 fractions (fx, fy) for images")
+            raise ValueError(f"{type(self).__name__} translate={self.translate} needs 2 fractions (fx, fy) for images"
+                             + volume_hint(len(self.translate), 2))
         height, width = batch.spatial_size
         u = batch.keys.uniform(0, 6, dtype=torch.float64).T
 

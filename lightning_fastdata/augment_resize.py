@@ -22,6 +22,7 @@ from lightning_fastdata.augment_base import (
     keep_format,
     refuse_bool_images,
     spatial_arg,
+    volume_hint,
 )
 from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter
 from lightning_fastdata.augment_resample import interpolate_image, nearest_resize, resize_window
@@ -168,7 +169,7 @@ class CenterCrop(BatchTransform):
             return self.size * sd
         if len(self.size) != sd:
             raise ValueError(f"CenterCrop size={self.size} has {len(self.size)} values but the batch has {sd} "
-                             f"spatial dims; give an int or {sd} values")
+                             f"spatial dims; give an int or {sd} values" + volume_hint(len(self.size), sd))
         return self.size
 
     def apply_batch(self, batch: Batch) -> Batch:

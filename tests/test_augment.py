@@ -566,3 +566,25 @@ def test_an_empty_batch_comes_out_empty(op, spatial_dims):
     for name in ("image", "mask" if spatial_dims == 2 else "label"):
         assert out.fields[name].shape == (0, *full.fields[name].shape[1:]), name
         assert out.fields[name].dtype == full.fields[name].dtype, name
+
+
+@pytest.mark.parametrize("op", [A.RandomFlip(dims=(-3, -2, -1)), A.RandomCrop((8, 8, 8)), A.CenterCrop((8, 8, 8)),
+                                A.Compose([A.RandomCropByLabel((8, 8, 8), label="label"), A.RandomFlip(dims=(-3,))]),
+                                A.RandomRot90(dims=(-3, -1)), A.RandomAffine(10, translate=(0.1, 0.1, 0.1))],
+                         ids=_name)
+def test_a_3d_op_on_volumes_without_a_channel_axis_says_how_to_add_it(op):
+    """Volumes stored as (D, H, W) batch as (N, D, H, W): 2-D images of D channels. A 3-D op
+    used to fail naming only the spatial dims; the error now says to add the channel axis."""
+    vol = torch.randint(0, 100, (3, 10, 12, 12), dtype=torch.int16)
+    batch = A.Batch({"image": vol, "label": (vol > 50).to(torch.uint8)}, {"image": "image", "label": "mask"}, keys(3))
+    with pytest.raises(ValueError, match=r"volumes stored without a channel axis, \(D, H, W\).*x\[None\]"):
+        op(batch)
+
+
+def test_2d_ops_on_volumes_without_a_channel_axis_equal_the_3d_ops_on_those_axes():
+    """What runs without the error: a 2-D op on (D, H, W) samples moves every slice alike, which
+    is the 3-D op over (H, W) of the volume with its channel axis."""
+    vol = torch.randint(0, 100, (5, 6, 12, 12), dtype=torch.int16)
+    k = keys(5)
+    for op in (A.RandomFlip(dims=(-2, -1)), A.RandomRot90(dims=(-2, -1)), A.RandomAffine(30)):
+        assert torch.equal(op(vol, k), op(vol[:, None], k)[:, 0]), op
