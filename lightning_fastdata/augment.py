@@ -37,6 +37,7 @@ wait for the device.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,6 +87,9 @@ def _run(op: Callable, batch: Batch, keys: SampleKeys) -> Batch:
     (each image of a list field: it takes a tensor, never a list)."""
     if isinstance(op, BatchTransform):
         return op.forward(batch.replace(keys=keys))
+    masks = batch.names("mask")
+    if masks:
+        _warn_images_only(op, masks)
     if batch.ragged:
         return batch.map(image=lambda xs: [op(x) for x in xs])
     return batch.map(image=op)
@@ -101,6 +105,22 @@ def _keys_for(batch: Batch, keys: SampleKeys | None, op: str) -> SampleKeys:
         raise ValueError(f"{op}.apply got keys of {len(keys)} samples for a batch of {len(batch)}; pass the "
                          f"parameters {op}.draw returned for this batch")
     return keys
+
+
+_WARNED_CALLABLES: set[str] = set()
+
+
+def _warn_images_only(op: Callable, masks: list[str]) -> None:
+    """Once per kind of callable: it sees the image fields only, so a geometric one (a
+    torchvision flip, crop or rotation) moves the images and not the masks, silently."""
+    name = getattr(op, "__qualname__", None) or type(op).__qualname__
+    if name in _WARNED_CALLABLES:
+        return
+    _WARNED_CALLABLES.add(name)
+    warnings.warn(f"Compose applies {name}, a plain callable, to the image fields only: the mask fields {masks} do "
+                  "not move with it. If it moves pixels (a torchvision flip, crop or rotation), each mask stops "
+                  "matching its image, and a random one draws once per call, not per sample; use this package's "
+                  "op instead (augment.RandomHorizontalFlip, RandomCrop, RandomRotation, ...)", stacklevel=4)
 
 
 def _fusable_crop(op: Callable) -> bool:

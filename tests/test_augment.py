@@ -318,6 +318,7 @@ def test_compose_gives_each_op_its_child_keys():
     assert torch.equal(nested, A.RandomAffine(20)(x, k.child(0).child(0)))
 
 
+@pytest.mark.filterwarnings("ignore:Compose applies")
 def test_compose_applies_plain_callables_to_image_fields():
     x = images(2, dtype=torch.float32)
     mask = torch.ones(2, 20, 24, dtype=torch.int64)
@@ -325,6 +326,31 @@ def test_compose_applies_plain_callables_to_image_fields():
     assert torch.equal(out.fields["image"], x * 2) and out.fields["mask"] is mask
 
 
+def test_a_plain_callable_next_to_mask_fields_warns_once_that_masks_do_not_move(monkeypatch, recwarn):
+    """A torchvision flip given as a plain callable flipped the images and left the masks: each
+    mask silently stopped matching its image. It still runs (a pointwise callable is fine), with
+    a warning, once per kind of callable, naming the mask fields and the package's op to use."""
+    import torchvision.transforms.v2 as T
+
+    from lightning_fastdata import augment
+
+    monkeypatch.setattr(augment, "_WARNED_CALLABLES", set())
+    x = images(2, dtype=torch.float32)
+    mask = torch.arange(2 * 20 * 24).view(2, 20, 24)
+    batch = A.Batch({"image": x, "label": mask}, {"image": "image", "label": "mask"})
+    aug = A.Compose([T.RandomHorizontalFlip(p=1.0)])
+    with pytest.warns(UserWarning, match=r"Compose applies RandomHorizontalFlip, a plain callable, to the image "
+                                         r"fields only: the mask fields \['label'\] do not move with it.*"
+                                         r"augment.RandomHorizontalFlip"):
+        out = aug(batch)
+    assert torch.equal(out.fields["image"], x.flip(-1)) and out.fields["label"] is mask
+    recwarn.clear()
+    aug(batch)  # once per kind of callable
+    A.Compose([T.RandomHorizontalFlip(p=1.0)])(x)  # no mask field: nothing to say
+    assert not [w for w in recwarn if "Compose applies" in str(w.message)]
+
+
+@pytest.mark.filterwarnings("ignore:Compose applies")
 def test_compose_applies_plain_callables_to_each_image_of_a_list():
     xs, k = ragged(), keys(6, seed=3)
     out = A.Compose([lambda t: t.float() / 255, A.RandomResizedCrop(8)])(xs, k)
