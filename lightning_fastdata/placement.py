@@ -37,7 +37,7 @@ import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -182,11 +182,13 @@ def _host_copy(arr: np.ndarray) -> torch.Tensor:
 
 
 def place_fields(arrays: list[np.ndarray | RaggedArray], device: torch.device | str,
-                 chunk_bytes: int = 64 << 20) -> list[torch.Tensor | RaggedField]:
+                 chunk_bytes: int = 64 << 20, private_encoded: bool = True) -> list[torch.Tensor | RaggedField]:
     """Copy every array into one tensor on ``device``, in chunks (bounded host staging).
 
     A ragged field becomes a :class:`~lightning_fastdata.ragged.RaggedField`: its values
     and offsets on ``device``, its offsets, shapes (and decoded shapes) also on the host.
+    An encoded field's bytes stay in host memory: a private copy, or with
+    ``private_encoded=False`` a view of ``arrays`` (see :meth:`DeviceSource.hold_encoded`).
     """
     device = torch.device(device)
     out: list[torch.Tensor | RaggedField] = []
@@ -196,7 +198,10 @@ def place_fields(arrays: list[np.ndarray | RaggedArray], device: torch.device | 
                 host_offsets = _host_copy(arr.offsets)
                 # Encoded bytes stay in host memory: the decoders (nvJPEG included) read them there.
                 where = torch.device("cpu") if arr.encoding else device
-                values = _place_array(arr.values, where, chunk_bytes)
+                if arr.encoding and not private_encoded:
+                    values = as_tensor(arr.values)
+                else:
+                    values = _place_array(arr.values, where, chunk_bytes)
                 offsets = host_offsets if where.type == "cpu" else _place_array(arr.offsets, device, chunk_bytes)
                 decoded = _host_copy(arr.decoded) if arr.decoded is not None else None
                 out.append(RaggedField(values, offsets, host_offsets, _host_copy(arr.shapes), arr.encoding, decoded))
@@ -284,6 +289,7 @@ class DeviceSource(Source):
     def __init__(self, fields: list[torch.Tensor | RaggedField], device: torch.device | str | None = None) -> None:
         _check_rows(fields)
         self.fields = fields
+        self.segment: Segment | None = None  # the shared memory the encoded bytes view, if any
         if device is None:  # the device of the fields that are not encoded bytes (those stay on the host)
             placed = [f.values if isinstance(f, RaggedField) else f for f in fields
                       if not (isinstance(f, RaggedField) and f.encoding)]
@@ -292,9 +298,27 @@ class DeviceSource(Source):
         self.n = _rows(fields[0])
 
     @classmethod
-    def from_arrays(cls, arrays: list[np.ndarray | RaggedArray], device: torch.device | str) -> DeviceSource:
+    def from_arrays(cls, arrays: list[np.ndarray | RaggedArray], device: torch.device | str,
+                    private_encoded: bool = True) -> DeviceSource:
         """Copy host arrays onto ``device`` (see :func:`place_fields`)."""
-        return cls(place_fields(arrays, device), device)
+        return cls(place_fields(arrays, device, private_encoded=private_encoded), device)
+
+    def encoded(self) -> list[int]:
+        """Positions of the encoded fields (their bytes stay in host memory, for the decoders)."""
+        return [k for k, f in enumerate(self.fields) if isinstance(f, RaggedField) and f.encoding]
+
+    def hold_encoded(self, values: Mapping[int, np.ndarray] | None = None, segment: Segment | None = None) -> None:
+        """Settle where the encoded fields' bytes live: views of ``values`` (by field position;
+        one node-wide copy in shared memory, kept alive with ``segment``), or, without
+        ``values``, a private copy of the bytes they view now (the disk cache's memory map)."""
+        for k in self.encoded():
+            f = self.fields[k]
+            if values is not None:
+                kept = as_tensor(values[k])
+            else:
+                kept = _place_array(f.values.numpy(), torch.device("cpu"), 64 << 20)
+            self.fields[k] = replace(f, values=kept, offsets=f.host_offsets)
+        self.segment = segment
 
     def gather(self, indices: torch.Tensor, on_device: torch.Tensor | None = None,
                defer: frozenset[int] = frozenset()) -> list[Leaf]:
@@ -666,14 +690,27 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _share(stores: Mapping[str, Store], plan: Plan, sharing: Sharing) -> dict[str, Segment]:
+class _EncodedBytes:
+    """The encoded fields of a store, as :func:`~lightning_fastdata.shared.share_stores` reads
+    a store (``fields``, ``fingerprint``, ``nbytes``): what a ``device`` placement keeps in
+    host memory."""
+
+    def __init__(self, store: Store, positions: list[int]) -> None:
+        self.fields = [store.fields[k] for k in positions]
+        self.fingerprint = f"{store.fingerprint}:encoded"
+        self.nbytes = sum(int(a.nbytes) for f in self.fields for a in f.parts().values())
+
+
+def _share(stores: Mapping[str, Any], plan: Plan, sharing: Sharing, readers: bool | None = None,
+           what: str = "") -> dict[str, Segment]:
     """One node-local copy of the host-resident stores when several processes read them.
 
     With ``shared_memory="auto"`` that is when the plan reads stores from host memory
-    (``workers``, ``chunked``) with more than one local rank or any DataLoader worker;
-    ``"on"`` always shares. Collective: every rank takes part.
+    (``workers``, ``chunked``) with more than one local rank or any DataLoader worker, or
+    when ``readers`` says so; ``"on"`` always shares. Collective: every rank takes part.
     """
-    readers = plan.strategy in ("workers", "chunked") and (sharing.local_world_size > 1 or plan.num_workers > 0)
+    if readers is None:
+        readers = plan.strategy in ("workers", "chunked") and (sharing.local_world_size > 1 or plan.num_workers > 0)
     want = sharing.mode == "on" or (sharing.mode == "auto" and readers)
     if not stores:
         return {}
@@ -700,7 +737,7 @@ def _share(stores: Mapping[str, Store], plan: Plan, sharing: Sharing) -> dict[st
     if segments:
         nbytes = sum(seg.size for seg in segments.values())
         plan.reasons["shared_memory"] = (
-            f"on: one copy of {', '.join(sorted(segments))} ({nbytes / 1e6:.1f} MB) in /dev/shm for "
+            f"on: one copy of {what}{', '.join(sorted(segments))} ({nbytes / 1e6:.1f} MB) in /dev/shm for "
             f"{sharing.local_world_size} local rank(s) x {max(plan.num_workers, 1)} reader(s) each"
         )
     else:
@@ -708,12 +745,31 @@ def _share(stores: Mapping[str, Store], plan: Plan, sharing: Sharing) -> dict[st
     return segments
 
 
+def _hold_encoded(encoded: dict[str, DeviceSource], stores: Mapping[str, Store], plan: Plan, sharing: Sharing,
+                  out: Placement) -> None:
+    """Where a ``device`` placement keeps its encoded bytes (the JPEG decoders read them from host
+    memory): one node-wide copy in shared memory when several local ranks read them (or with
+    ``shared_memory="on"``), else a private copy per process. Collective: every rank placed the
+    same level, so every rank has the same encoded splits."""
+    parts = {s: _EncodedBytes(stores[s], src.encoded()) for s, src in encoded.items()}
+    segments = _share(parts, plan, sharing, readers=sharing.local_world_size > 1, what="the encoded bytes of ")
+    for split, src in encoded.items():
+        seg = segments.get(split)
+        if seg is None:
+            src.hold_encoded()
+            continue
+        arrays = seg.arrays()
+        src.hold_encoded({k: arrays[j].values for j, k in enumerate(src.encoded())}, seg)
+        out.segments[split] = seg
+
+
 def _place_level(level: int, hosts: dict[str, HostSource], stores: Mapping[str, Store], plan: Plan,
                  device: torch.device, batch_sizes: Mapping[str, int], world_size: int, pin: bool,
                  out: dict[str, Source]) -> None:
     for split, host in hosts.items():
         if level == LEVELS["device"]:
-            out[split] = DeviceSource.from_arrays(host.arrays, device)
+            # Encoded bytes stay views of the disk cache until place() settles where they live.
+            out[split] = DeviceSource.from_arrays(host.arrays, device, private_encoded=False)
         elif level == LEVELS["chunked"]:
             buffers = ChunkBuffers.for_store(stores[split], device, plan.chunk_bytes, batch_sizes[split],
                                              world_size=world_size, pin=pin)
@@ -788,10 +844,15 @@ def place(stores: Mapping[str, Store], plan: Plan, device: torch.device | str, c
         plan = fall_back(plan, _NAMES[agreed], failure, config)
         level = agreed
     out = Placement(plan, sources)
+    encoded = {s: src for s, src in sources.items() if isinstance(src, DeviceSource) and src.encoded()}
+    if encoded:
+        _hold_encoded(encoded, stores, plan, sharing, out)
     # Host memory is shared once the level is known, and only for the splits read from host
     # memory: a device source holds its own copy, a segment beside it would only take RAM.
     # Every rank placed the same level, so every rank takes part in the same sharing.
     host_read = {s: st for s, st in stores.items() if isinstance(sources.get(s), (ChunkedSource, HostSource))}
+    if not host_read and out.segments:
+        return out
     if not host_read and sharing.mode == "on":
         plan.reasons["shared_memory"] = (f"on, but nothing to share: strategy {plan.strategy!r} holds every "
                                          "store on the device, read from the disk cache once")

@@ -4,6 +4,7 @@ Modes:
     stall-in-fill          one process that stops inside the leader's fill (prints "filling")
     gloo-rank OUT          a rank of a plain gloo job calling ``share_stores``
     fit-rank CACHE OUT MODE N  a rank of a Lightning ``ddp`` fit on CPU ("normal", "raise", "slow")
+    device-jpeg-rank OUT   a rank of a gloo job placing a JPEG store with the ``device`` strategy
 The ranks read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
 
@@ -125,6 +126,53 @@ def _gloo_rank(out: Path) -> None:
         os._exit(0)  # no teardown at all: the attaching rank simply goes away first
 
 
+def jpeg_store(n: int = 12, fingerprint: str = "j" * 64):
+    """``n`` real JPEGs of varying sizes (an encoded ragged field) and their labels, as a Store."""
+    from torchvision.io import encode_jpeg
+
+    from lightning_fastdata.ragged import RaggedArray
+    from lightning_fastdata.store import Store
+
+    g = torch.Generator().manual_seed(4)
+    images = [torch.randint(0, 256, (3, 8 + i, 12 + 2 * i), dtype=torch.uint8, generator=g) for i in range(n)]
+    jpegs = [encode_jpeg(x, quality=90).numpy() for x in images]
+    decoded = np.array([x.shape for x in images], dtype=np.int64)
+    return Store.from_arrays({"image": RaggedArray.from_list(jpegs, encoding="jpeg", decoded=decoded),
+                              "y": np.arange(n, dtype=np.int64)}, fingerprint=fingerprint)
+
+
+def device_plan(store):
+    """The plan of a ``device`` placement of ``store`` on a (pretend) 16 GiB GPU."""
+    from lightning_fastdata.plan import Resources, decide
+
+    res = Resources(device_type="cuda", device_total=16 << 30, device_free=16 << 30, ram_total=8 << 30,
+                    ram_available=8 << 30, physical_cores=2, logical_cores=2, shm_free=1 << 30)
+    return decide(store.nbytes, res, {"strategy": "device"})
+
+
+def _device_jpeg_rank(out: Path) -> None:
+    """Place a JPEG store with the ``device`` strategy as one of two local ranks: report where
+    the encoded bytes live (the shared-memory mappings) and what the rank reads from them."""
+    import torch.distributed as dist
+
+    from lightning_fastdata.placement import Sharing, place
+
+    rank = _init_gloo()
+    store = jpeg_store()
+    placement = place({"train": store}, device_plan(store), "cpu", {"strategy": "device"}, {"train": 4},
+                      world_size=2, sharing=Sharing(mode="auto", rank=rank, local_rank=rank, local_world_size=2))
+    source = placement.sources["train"]
+    batch = source.gather(torch.arange(len(store)))
+    result = {"reason": placement.plan.reasons.get("shared_memory", ""), "segments": sorted(placement.segments),
+              "maps": shm_mappings(), "crc": zlib.crc32(batch[0].values.numpy().tobytes()),
+              "want": zlib.crc32(store.fields[0].values.tobytes()), "private": source.segment is None}
+    placement.release("train")
+    del source, batch
+    dist.barrier()
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
 def _fit_rank(cache: str, out: Path, mode: str, n: int, shared_memory: str = "auto") -> None:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
@@ -217,6 +265,8 @@ if __name__ == "__main__":
         _stall_in_fill()
     elif what == "gloo-rank":
         _gloo_rank(Path(sys.argv[2]))
+    elif what == "device-jpeg-rank":
+        _device_jpeg_rank(Path(sys.argv[2]))
     elif what == "fit-rank":
         from _shared_job import _fit_rank as fit  # the dataset's class must be _shared_job.IndexedImages
 

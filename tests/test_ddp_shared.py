@@ -138,3 +138,22 @@ def test_ddp_sigterm_of_the_job_and_sigkill_of_a_rank_mid_epoch(tmp_path, fit_ca
         for job in jobs.values():
             job.reap(grace=5)
     assert shm_names() == set()
+
+
+def test_device_strategy_ranks_share_one_copy_of_the_encoded_bytes(tmp_path):
+    """Two local ranks placing a JPEG store with the ``device`` strategy: the encoded bytes, which
+    stay in host memory for the decoders, are one segment in /dev/shm mapped by both ranks (not
+    a private copy each); both read the store's bytes, and nothing is left in /dev/shm."""
+    job = Job(tmp_path, "device-jpeg-rank", str(tmp_path))
+    try:
+        assert job.wait(180) == [0, 0], job.log()
+    finally:
+        job.reap()
+    r0, r1 = job.result(0), job.result(1)
+    for r in (r0, r1):
+        assert r["segments"] == ["train"] and not r["private"], r
+        assert r["reason"].startswith("on: one copy of the encoded bytes of train") and "2 local rank(s)" in r["reason"]
+        assert r["crc"] == r["want"]
+    inodes = {inode for inode, _ in r0["maps"]}
+    assert inodes and inodes == {inode for inode, _ in r1["maps"]}  # the same segment in both ranks
+    assert not shm_names()

@@ -6,6 +6,7 @@ import gc
 
 import numpy as np
 import torch
+from _shared_job import device_plan, jpeg_store
 
 from lightning_fastdata.loaders import IndexLoader, ShardedOrder
 from lightning_fastdata.placement import DeviceSource, place_fields
@@ -125,3 +126,35 @@ def test_ranks_agree_on_the_chunk_mode_so_their_shards_stay_disjoint(monkeypatch
     assert "another rank" in placement.plan.reasons["chunk_mode"]
     for source in placement.sources.values():
         source.close()
+
+
+def test_the_device_strategy_keeps_encoded_bytes_once_per_node_in_shared_memory():
+    """A ``device`` placement keeps JPEG bytes in host memory (the decoders read them there).
+    Read by several local ranks (here: ``shared_memory="on"``) they are one copy in /dev/shm,
+    viewed by every rank, not a private copy per rank; alone, a private copy (not the disk
+    cache's memory map). The bytes served are the store's either way."""
+    from lightning_fastdata.placement import Sharing, place
+    from lightning_fastdata.ragged import RaggedBatch
+
+    store = jpeg_store()
+    for mode in ("on", "auto"):
+        plan = device_plan(store)
+        placement = place({"train": store}, plan, "cpu", {"strategy": "device"}, {"train": 4},
+                          sharing=Sharing(mode=mode))
+        try:
+            source = placement.sources["train"]
+            assert source.encoded() == [0]
+            values = source.fields[0].values
+            assert values.device.type == "cpu" and values.data_ptr() != store.fields[0].values.ctypes.data
+            if mode == "on":
+                seg = placement.segments["train"]
+                assert source.segment is seg and values.data_ptr() == seg.arrays()[0].values.ctypes.data
+                assert placement.plan.reasons["shared_memory"].startswith("on: one copy of the encoded bytes of train")
+            else:
+                assert not placement.segments and source.segment is None
+            batch = source.gather(torch.tensor([5, 0, 11]))
+            assert isinstance(batch[0], RaggedBatch) and batch[1].tolist() == [5, 0, 11]
+            for got, i in zip(batch[0].tensors(), (5, 0, 11), strict=True):
+                assert np.array_equal(got.numpy(), store.fields[0][i])
+        finally:
+            placement.release("train")
