@@ -17,7 +17,6 @@ import torch
 
 from lightning_fastdata._lightning import tensor_version
 from lightning_fastdata.augment_base import (
-    INT_MAX,
     Batch,
     BatchTransform,
     const,
@@ -25,6 +24,7 @@ from lightning_fastdata.augment_base import (
     host_shortcuts,
     keep_format,
     per_dim,
+    refuse_unfit_fill,
     scratch,
     spatial_arg,
 )
@@ -309,15 +309,7 @@ class RandomCrop(BatchTransform):
         failed inside torch without naming ``fill``."""
         if not any(self.padding) and not self.pad_if_needed:
             return  # nothing is padded: the fill is never written
-        for name in batch.names("image"):
-            dtype = batch.field_dtype(name)
-            if dtype not in INT_MAX:
-                continue
-            top = INT_MAX[dtype]
-            low = -top - 1 if dtype.is_signed else 0
-            if not low <= self.fill < top + 1:  # torch truncates a fraction inside the range
-                raise ValueError(f"RandomCrop fill={self.fill!r} does not fit the image field {name!r} ({dtype}, "
-                                 f"values {low}..{top}); give a fill in that range, or convert the image first")
+        refuse_unfit_fill(batch, [self.fill], "RandomCrop", self.fill, truncated=True)  # torch truncates a fraction
 
     def _list_geometry(self, batch: Batch) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[tuple[int, ...]]]:
         """A ragged batch: the size, and each sample's padding and padded size."""

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from lightning_fastdata._pool import default_threads, map_runs
 from lightning_fastdata.augment_base import (
-    INT_MAX,
     Batch,
     BatchTransform,
     chunk_rows,
@@ -32,6 +31,7 @@ from lightning_fastdata.augment_base import (
     int_seq,
     keep_format,
     refuse_bool_images,
+    refuse_unfit_fill,
     spatial_arg,
     to_input_dtype,
     volume_hint,
@@ -634,17 +634,8 @@ class RandomAffine(BatchTransform):
         """Refuse a ``fill`` an integer image cannot hold: it was clamped into the dtype's
         range without a word (uint8 ``fill=-1`` filled 0, ``fill=300`` filled 255), where
         ``RandomCrop`` refuses the same fill."""
-        for name in batch.names("image"):
-            dtype = batch.field_dtype(name)
-            if dtype not in INT_MAX:
-                continue
-            top = INT_MAX[dtype]
-            low = -top - 1 if dtype.is_signed else 0
-            if any(not low <= v <= top for v in self.fill):
-                shown = self.fill[0] if len(self.fill) == 1 else self.fill
-                raise ValueError(f"{type(self).__name__} fill={shown!r} does not fit the image field {name!r} "
-                                 f"({dtype}, values {low}..{top}); give a fill in that range, or convert the "
-                                 "image first")
+        shown = self.fill[0] if len(self.fill) == 1 else self.fill
+        refuse_unfit_fill(batch, self.fill, type(self).__name__, shown, truncated=False)
 
     def matrix(self, batch: Batch, **params: torch.Tensor) -> torch.Tensor:
         """The per-sample inverse maps at ``params``: (N, 2, 3) over (x, y), or (N, 3, 4) over (d, h, w)."""

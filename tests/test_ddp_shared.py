@@ -44,6 +44,16 @@ class Job(Launch):
     def result(self, rank: int) -> dict:
         return json.loads((self.out / f"rank{rank}.json").read_text())
 
+    @classmethod
+    def finished(cls, out: Path, *args: str, timeout: float = 180) -> Job:
+        """A job run to its end (both ranks must exit 0), reaped; its logs and results stay."""
+        job = cls(out, *args)
+        try:
+            assert job.wait(timeout) == [0, 0], job.log()
+        finally:
+            job.reap()
+        return job
+
 
 @pytest.fixture(scope="module")
 def fit_cache(tmp_path_factory) -> str:
@@ -54,11 +64,7 @@ def fit_cache(tmp_path_factory) -> str:
 
 
 def test_gloo_fingerprints_differ_then_attaching_rank_exits_first(tmp_path):
-    job = Job(tmp_path, "gloo-rank", str(tmp_path))
-    try:
-        assert job.wait(180) == [0, 0], job.log()
-    finally:
-        job.reap()
+    job = Job.finished(tmp_path, "gloo-rank", str(tmp_path))
     r0, r1 = job.result(0), job.result(1)
     for r in (r0, r1):  # every rank gets the error, naming both fingerprints
         assert "0000000000000000" in r["error"] and "1111111111111111" in r["error"] and "'train'" in r["error"]
@@ -144,11 +150,7 @@ def test_device_strategy_ranks_share_one_copy_of_the_encoded_bytes(tmp_path):
     """Two local ranks placing a JPEG store with the ``device`` strategy: the encoded bytes, which
     stay in host memory for the decoders, are one segment in /dev/shm mapped by both ranks (not
     a private copy each); both read the store's bytes, and nothing is left in /dev/shm."""
-    job = Job(tmp_path, "device-jpeg-rank", str(tmp_path))
-    try:
-        assert job.wait(180) == [0, 0], job.log()
-    finally:
-        job.reap()
+    job = Job.finished(tmp_path, "device-jpeg-rank", str(tmp_path))
     r0, r1 = job.result(0), job.result(1)
     for r in (r0, r1):
         assert r["segments"] == ["train"] and not r["private"], r
