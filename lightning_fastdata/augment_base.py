@@ -707,14 +707,14 @@ def refuse_unfit_fill(batch: Batch, values: Sequence[float], op: str, shown: Any
     """A ValueError naming the first integer image field of ``batch`` that cannot hold one of
     the fill ``values`` (``shown`` as given to ``op``): a fill past the dtype's range was wrapped
     or clamped by torch without a word. ``truncated``: the fill is truncated toward zero (so
-    ``top + 0.5`` still fits), not rounded."""
+    ``top + 0.5`` still fits); else it is rounded half to even, as the pixels are, then must fit."""
     for name in batch.names("image"):
         dtype = batch.field_dtype(name)
         if dtype not in INT_MAX:
             continue
         top = INT_MAX[dtype]
         low = -top - 1 if dtype.is_signed else 0
-        if any(not (low <= v < top + 1 if truncated else low <= v <= top) for v in values):
+        if any(not (low <= v < top + 1 if truncated else low <= round(v) <= top) for v in values):
             raise ValueError(f"{op} fill={shown!r} does not fit the image field {name!r} ({dtype}, values "
                              f"{low}..{top}); give a fill in that range, or convert the image first")
 

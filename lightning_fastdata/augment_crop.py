@@ -180,11 +180,13 @@ def _mirror_shift(mirror: torch.Tensor, m: int, size: tuple[int, ...], strides: 
 
 
 #: On the CPU, windows of at least this many spatial elements are cut sample by sample,
-#: a slab at a time (:func:`cut_windows`), when they are mirrored (``flip_window``) or run
-#: into a chain of intensity steps (``Compose``); smaller ones as one batch of rows. Measured
-#: on 2 cores: a Python loop over the samples costs more than it saves on smaller windows
-#: (2-D crops of 32^2 to 128^2), and less than the batched cut plus a pass for the mirror
-#: on volumes (32^3 to 128^3 windows: 10-55% faster).
+#: a slab at a time (:func:`cut_windows`), when they run into a chain of intensity steps
+#: (``Compose``), or, for volumes, when they are mirrored (``flip_window``); smaller ones
+#: as one batch of rows. Measured on 2 cores: the loop over the samples costs more than it
+#: saves on smaller windows (crop + flip + chain on 2-D crops of 32^2 to 128^2: 1.6-12x
+#: slower), and less on larger ones (32^3 to 128^3 volume windows: 10-58% faster; a 2-D
+#: 192^2 crop + chain 2.4x faster). A 2-D mirrored cut alone keeps the batched form
+#: (per sample it was 1.2-2x slower on 192^2 and 224^2 crops).
 WINDOWS_FROM_ELEMENTS = 1 << 15
 
 
@@ -554,7 +556,7 @@ def flip_window(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: 
     after it for large ones (``MIRROR_AFTER_ELEMENTS``).
     """
     dims = tuple(dims)
-    if (host_shortcuts(x.device) and not (padding is not None and any(padding))
+    if (sd == 3 and host_shortcuts(x.device) and not (padding is not None and any(padding))
             and math.prod(size) >= WINDOWS_FROM_ELEMENTS):
         return cut_windows(x, offset, size, mirror_axes(flip, dims, sd), rows)
     mirror = None
@@ -612,7 +614,7 @@ def draw_voxels(fg: torch.Tensor, u: torch.Tensor, p_fg: float) -> tuple[torch.T
     30-50x slower on the CPU). On the device, no host sync, no loop over samples.
     """
     n, voxels = fg.shape
-    fg = _pad_blocks(fg)
+    fg = _pad_blocks(fg).contiguous()  # viewed as blocks below (a label strided over samples is not)
     nb = fg.shape[1] // _BLOCK
     counts = _block_counts(fg)  # (N, nb) foreground voxels per block
     rows = torch.arange(n, device=fg.device) * nb

@@ -702,7 +702,7 @@ class _EncodedBytes:
 
 
 def _share(stores: Mapping[str, Any], plan: Plan, sharing: Sharing, readers: bool | None = None,
-           what: str = "") -> dict[str, Segment]:
+           what: str = "", fallback_to: str = "the disk cache") -> dict[str, Segment]:
     """One node-local copy of the host-resident stores when several processes read them.
 
     With ``shared_memory="auto"`` that is when the plan reads stores from host memory
@@ -731,9 +731,10 @@ def _share(stores: Mapping[str, Any], plan: Plan, sharing: Sharing, readers: boo
         if sharing.local_rank == 0:
             warnings.warn(msg, UserWarning, stacklevel=4)
 
+    extra = {} if fallback_to == "the disk cache" else {"fallback_to": fallback_to}
     segments = share_stores(stores, headroom=headroom, fallback=sharing.mode == "auto", warn=warn,
                             rank=sharing.rank, local_rank=sharing.local_rank,
-                            local_world_size=sharing.local_world_size)
+                            local_world_size=sharing.local_world_size, **extra)
     if segments:
         nbytes = sum(seg.size for seg in segments.values())
         plan.reasons["shared_memory"] = (
@@ -741,7 +742,7 @@ def _share(stores: Mapping[str, Any], plan: Plan, sharing: Sharing, readers: boo
             f"{sharing.local_world_size} local rank(s) x {max(plan.num_workers, 1)} reader(s) each"
         )
     else:
-        plan.reasons["shared_memory"] = "fallback to the disk cache: " + (notes[0] if notes else "")
+        plan.reasons["shared_memory"] = f"fallback to {fallback_to}: " + (notes[0] if notes else "")
     return segments
 
 
@@ -752,7 +753,8 @@ def _hold_encoded(encoded: dict[str, DeviceSource], stores: Mapping[str, Store],
     ``shared_memory="on"``), else a private copy per process. Collective: every rank placed the
     same level, so every rank has the same encoded splits."""
     parts = {s: _EncodedBytes(stores[s], src.encoded()) for s, src in encoded.items()}
-    segments = _share(parts, plan, sharing, readers=sharing.local_world_size > 1, what="the encoded bytes of ")
+    segments = _share(parts, plan, sharing, readers=sharing.local_world_size > 1, what="the encoded bytes of ",
+                      fallback_to="a private copy of the encoded bytes per rank")
     for split, src in encoded.items():
         seg = segments.get(split)
         if seg is None:

@@ -602,6 +602,7 @@ def share_stores(
     rank: int | None = None,
     local_rank: int | None = None,
     local_world_size: int | None = None,
+    fallback_to: str = "the memory-mapped disk cache (one page-cache copy per node)",
 ) -> dict[str, Segment]:
     """Put one copy of each store in node-local shared memory; collective over all ranks.
 
@@ -616,6 +617,7 @@ def share_stores(
         fallback: When ``/dev/shm`` is too small, warn and return ``{}`` (the stores keep
             their disk memory maps) instead of raising.
         warn: Receives the fallback warning (default ``warnings.warn``).
+        fallback_to: What the caller reads instead after a fallback, for the warning.
         rank, local_rank, local_world_size: This process's place (default: from
             :mod:`~lightning_fastdata.distributed`).
 
@@ -711,7 +713,7 @@ def share_stores(
             raise SharedMemoryError((fatal or [f["error"] for f in failures])[0])
         if node_error:
             # Too little space on this node: the disk cache's memory maps stay in place.
-            msg = node_error + "; falling back to the memory-mapped disk cache (one page-cache copy per node)"
+            msg = f"{node_error}; falling back to {fallback_to}"
             if warn is None:
                 import warnings
 

@@ -87,8 +87,8 @@ def ragged_masks(sizes=RAGGED_SIZES) -> list[torch.Tensor]:
 def mirror_regimes(request, monkeypatch):
     """Run a test with every window mirrored along the last axis inside the cut (mirrored
     sources, as for small windows), after it (in place, as for large windows), and, on the
-    CPU, with every unpadded mirrored window, or window run into an intensity chain, cut
-    sample by sample in slabs (``cut_windows``, as for volumes)."""
+    CPU, with every unpadded mirrored volume window, or window run into an intensity chain,
+    cut sample by sample in slabs (``cut_windows``, as for large volume windows)."""
     from lightning_fastdata import augment_crop
 
     monkeypatch.setattr(augment_crop, "MIRROR_AFTER_ELEMENTS", 1 << 62 if request.param == "mirror-in-cut" else 0)

@@ -150,22 +150,31 @@ def device_plan(store):
     return decide(store.nbytes, res, {"strategy": "device"})
 
 
-def _device_jpeg_rank(out: Path) -> None:
+def _device_jpeg_rank(out: Path, shm: str = "ample") -> None:
     """Place a JPEG store with the ``device`` strategy as one of two local ranks: report where
-    the encoded bytes live (the shared-memory mappings) and what the rank reads from them."""
+    the encoded bytes live (the shared-memory mappings) and what the rank reads from them.
+    ``shm="tiny"``: /dev/shm reports no free space (a container's default 64 MB, full)."""
+    import warnings
+
     import torch.distributed as dist
 
+    from lightning_fastdata import shared
     from lightning_fastdata.placement import Sharing, place
 
+    if shm == "tiny":
+        shared.shm_free_bytes = lambda: 0
     rank = _init_gloo()
     store = jpeg_store()
-    placement = place({"train": store}, device_plan(store), "cpu", {"strategy": "device"}, {"train": 4},
-                      world_size=2, sharing=Sharing(mode="auto", rank=rank, local_rank=rank, local_world_size=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        placement = place({"train": store}, device_plan(store), "cpu", {"strategy": "device"}, {"train": 4},
+                          world_size=2, sharing=Sharing(mode="auto", rank=rank, local_rank=rank, local_world_size=2))
     source = placement.sources["train"]
     batch = source.gather(torch.arange(len(store)))
     result = {"reason": placement.plan.reasons.get("shared_memory", ""), "segments": sorted(placement.segments),
               "maps": shm_mappings(), "crc": zlib.crc32(batch[0].values.numpy().tobytes()),
-              "want": zlib.crc32(store.fields[0].values.tobytes()), "private": source.segment is None}
+              "want": zlib.crc32(store.fields[0].values.tobytes()), "private": source.segment is None,
+              "warnings": [str(w.message) for w in caught]}
     placement.release("train")
     del source, batch
     dist.barrier()
@@ -266,7 +275,7 @@ if __name__ == "__main__":
     elif what == "gloo-rank":
         _gloo_rank(Path(sys.argv[2]))
     elif what == "device-jpeg-rank":
-        _device_jpeg_rank(Path(sys.argv[2]))
+        _device_jpeg_rank(Path(sys.argv[2]), *sys.argv[3:])
     elif what == "fit-rank":
         from _shared_job import _fit_rank as fit  # the dataset's class must be _shared_job.IndexedImages
 

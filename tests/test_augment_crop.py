@@ -599,6 +599,19 @@ def test_the_cpu_draws_the_same_centres_as_the_accelerator_path(spatial, channel
     assert not bool(draws[True, 0, "rows"]["foreground"][0]) and bool(draws[True, 0, "rows"]["foreground"][1])
 
 
+@pytest.mark.usefixtures("both_paths")
+def test_a_label_strided_over_its_samples_draws_as_its_contiguous_copy():
+    """A label that is a strided view over samples (``lab[::2]``) crashed the accelerator path's
+    block view ("view size is not compatible"); it draws the centres of its contiguous copy."""
+    lab = torch.rand(8, 1, 16, 16, 8, generator=torch.Generator().manual_seed(3)) > 0.7
+    k = A.SampleKeys(0, 0, torch.arange(4))
+    op = A.RandomCropByLabel(4)
+    got = op.draw(A.Batch({"label": lab[::2]}, {"label": "mask"}, k, spatial_dims=3), k)
+    want = op.draw(A.Batch({"label": lab[::2].contiguous()}, {"label": "mask"}, k, spatial_dims=3), k)
+    for name in ("center", "offset", "foreground"):
+        assert torch.equal(got[name], want[name])
+
+
 def test_the_kept_label_counts_follow_the_store_label():
     """The per-block counts kept for a store label are recomputed when that label changes in
     place, are not reused for another label, and are not pickled."""

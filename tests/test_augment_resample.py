@@ -367,6 +367,7 @@ def test_ranges_refuse_infinite_bounds(make, match):
                          ids=["affine", "rotation"])
 @pytest.mark.parametrize("dtype, fill, shown", [(torch.uint8, -1, "-1.0"), (torch.uint8, 256, "256.0"),
                                                 (torch.uint8, [0, 300, 0], r"\[0.0, 300.0, 0.0\]"),
+                                                (torch.uint8, 255.5, "255.5"), (torch.uint8, -0.6, "-0.6"),
                                                 (torch.int16, -40000, "-40000.0"), (torch.uint16, 70000, "70000.0")])
 def test_resampling_ops_refuse_a_fill_outside_the_image_dtype(make, dtype, fill, shown):
     """fill=-1 on a uint8 image was clamped to 0 without a word (300 to 255), where RandomCrop
@@ -384,6 +385,9 @@ def test_resampling_ops_fill_with_the_extremes_an_integer_image_holds():
     x = torch.full((4, 1, 9, 9), 7, dtype=torch.uint8)
     out = A.RandomRotation((40, 50), fill=255)(x, keys(4))
     assert int(out.max()) == 255 and int(out.min()) == 7  # corners filled with 255, the middle kept
+    # a fraction is rounded (half to even) like the pixels: 255.4 and -0.3 fit uint8, 255.5 does not
+    assert int(A.RandomRotation((40, 50), fill=255.4)(x, keys(4)).max()) == 255
+    assert int(A.RandomRotation((40, 50), fill=-0.3)(x, keys(4)).min()) == 0
     out = A.RandomAffine(0, translate=(0.5, 0.5), fill=0)(torch.full((4, 1, 9, 9), -32768, dtype=torch.int16),
                                                           keys(4))
     assert out.dtype == torch.int16 and int(out.min()) == -32768

@@ -159,3 +159,15 @@ def test_device_strategy_ranks_share_one_copy_of_the_encoded_bytes(tmp_path):
     inodes = {inode for inode, _ in r0["maps"]}
     assert inodes and inodes == {inode for inode, _ in r1["maps"]}  # the same segment in both ranks
     assert not shm_names()
+
+
+def test_device_strategy_ranks_too_big_for_dev_shm_keep_private_copies_and_say_so(tmp_path):
+    """Where /dev/shm cannot hold the encoded bytes, every rank keeps a private copy (not the
+    disk cache, as for the host-read strategies): the plan and the warning say that."""
+    job = Job.finished(tmp_path, "device-jpeg-rank", str(tmp_path), "tiny")
+    r0, r1 = job.result(0), job.result(1)
+    for r in (r0, r1):
+        assert r["segments"] == [] and r["private"] and r["crc"] == r["want"], r
+        assert r["reason"].startswith("fallback to a private copy of the encoded bytes per rank: "), r["reason"]
+    assert any("falling back to a private copy of the encoded bytes per rank" in w for w in r0["warnings"])
+    assert not shm_names()
