@@ -150,14 +150,18 @@ def _pointwise(op: Callable) -> bool:
 _POINTWISE = (ScaleIntensityRange, RandomScaleIntensity, RandomShiftIntensity)
 
 
-def _keyed_chain_end(ops: Sequence[Callable], start: int) -> int:
-    """The end of the run of built-in pointwise intensity ops from ``start`` (``start`` when
-    none): ops whose parameters depend on the keys only, so they can be drawn before the
-    crop they follow has cut anything."""
+def _run_end(ops: Sequence[Callable], start: int, member: Callable[[Callable], bool]) -> int:
+    """The end of the run of ops from ``start`` that are ``member``s (``start`` when none)."""
     end = start
-    while end < len(ops) and type(ops[end]) in _POINTWISE:
+    while end < len(ops) and member(ops[end]):
         end += 1
     return end
+
+
+def _keyed(op: Callable) -> bool:
+    # The built-in pointwise ops: their parameters depend on the keys only, so they can be
+    # drawn before the crop they follow has cut anything.
+    return type(op) in _POINTWISE
 
 
 def _windows_into_chain(op: RandomCrop | RandomCropByLabel, batch: Batch) -> bool:
@@ -178,7 +182,7 @@ def _crop_run(ops: Sequence[Callable], i: int, batch: Batch) -> tuple[Batch, int
     op, keys = ops[i], batch.keys
     nxt = ops[i + 1] if i + 1 < len(ops) else None
     start = i + 2 if _fusable_flip(nxt) else i + 1
-    end = _keyed_chain_end(ops, start)
+    end = _run_end(ops, start, _keyed)
     into_chain = end > start and _windows_into_chain(op, batch)  # type: ignore[arg-type]
     if start == i + 1 and not into_chain:
         return None
@@ -270,9 +274,7 @@ class Compose(BatchTransform):
                     batch = fused
                     i += 2
                     continue
-            end = i
-            while end < len(ops) and _pointwise(ops[end]):
-                end += 1
+            end = _run_end(ops, i, _pointwise)
             if end - i > 1 and not batch.ragged:
                 chain = [(ops[j], ops[j].make_params(batch.replace(keys=keys.child(j)))) for j in range(i, end)]
                 batch = run_pointwise(batch, chain)  # type: ignore[arg-type]

@@ -239,6 +239,11 @@ ImageCut = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, tuple[in
                     torch.Tensor]
 
 
+def _flip_columns(flip: torch.Tensor | None) -> torch.Tensor | None:
+    """A flip's coins as (N, axes): a (N,) flag of one axis becomes one column."""
+    return flip.view(-1, 1) if flip is not None and flip.ndim == 1 else flip
+
+
 def mirror_axes(flip: torch.Tensor, dims: Sequence[int], sd: int) -> torch.Tensor:
     """bool (N, sd): per sample, whether it is mirrored along each spatial axis, from ``flip``
     (bool (N, len(dims))) over the negative spatial axes ``dims``."""
@@ -353,7 +358,7 @@ class RandomCrop(BatchTransform):
         size, pad, _ = self._geometry(batch)
         if image_cut is not None and any(pad):
             raise ValueError(f"RandomCrop image_cut reads unpadded windows, but the crop pads by {pad}")
-        flip = flip.view(-1, 1) if flip is not None and flip.ndim == 1 else flip
+        flip = _flip_columns(flip)
 
         def crop(fill: float):
             # The padding is written into the crop's source buffer, not materialised by F.pad.
@@ -496,12 +501,6 @@ class RandomCropByLabel(BatchTransform):
                 flat, use_fg = _draw_host(counts, voxels, u, p_fg, _host_block(whole, rows, voxels))
             else:
                 flat, use_fg = _draw(counts.long(), voxels, u, p_fg, lambda blk: _store_block(whole, rows, blk, voxels))
-        if host:
-            center_np = np.stack(np.unravel_index(flat.numpy(), spatial), 1).astype(np.int64)
-            half_np = np.array([s // 2 for s in size])
-            top_np = np.array([s - c for s, c in zip(spatial, size, strict=True)])
-            offset_np = np.minimum(np.maximum(center_np - half_np, 0), top_np)
-            return {"center": torch.from_numpy(center_np), "offset": torch.from_numpy(offset_np), "foreground": use_fg}
         center = _unravel(flat, spatial)
         half = const([s // 2 for s in size], flat.device, torch.int64)
         top = const([s - c for s, c in zip(spatial, size, strict=True)], flat.device, torch.int64)
@@ -516,7 +515,7 @@ class RandomCropByLabel(BatchTransform):
         (``Compose`` fuses a following ``RandomFlip`` this way); ``image_cut`` (see
         :data:`ImageCut`) makes the image fields instead."""
         size, sd = self.window_size(batch), batch.spatial_dims
-        flips = None if flip is None else flip.view(-1, 1) if flip.ndim == 1 else flip
+        flips = _flip_columns(flip)
         if flips is None:
             crop = lambda x, rows: keep_format(window_crop(x, offset, size, sd, rows=rows), x)  # noqa: E731
         else:

@@ -82,10 +82,10 @@ def chain_steps(chain: Sequence[tuple[PointwiseIntensity, dict[str, Any]]], dtyp
     return steps
 
 
-def _work_steps(steps: list[Step], dtype: torch.dtype) -> list[Step]:
-    """``steps`` on an input of ``dtype`` as run: starting with a copy into a working buffer (a
-    cast to ``dtype`` if need be), casts that keep the dtype dropped; the last cast writes
-    into the output."""
+def _work_steps(steps: list[Step], dtype: torch.dtype) -> tuple[list[Step], torch.dtype]:
+    """``steps`` on an input of ``dtype`` as run, and the dtype they end in: starting with a
+    copy into a working buffer (a cast to ``dtype`` if need be), casts that keep the dtype
+    dropped; the last cast writes into the output."""
     work: list[Step] = [steps[0] if steps and steps[0][0] == "cast" else ("cast", dtype)]
     dtype = work[0][1]
     for kind, value in steps[1:] if steps and steps[0][0] == "cast" else steps:
@@ -94,18 +94,13 @@ def _work_steps(steps: list[Step], dtype: torch.dtype) -> list[Step]:
                 continue
             dtype = value
         work.append((kind, value))
-    return work
-
-
-def _out_dtype(work: list[Step]) -> torch.dtype:
-    """The dtype the work steps end in: their last cast's."""
-    return [value for kind, value in work if kind == "cast"][-1]
+    return work, dtype
 
 
 def _run_steps(x: torch.Tensor, steps: list[Step]) -> torch.Tensor:
     """A new tensor: ``steps`` on ``x``, in chunks that stay in cache on the CPU."""
-    work = _work_steps(steps, x.dtype)
-    out = torch.empty_like(x, dtype=_out_dtype(work))
+    work, dtype = _work_steps(steps, x.dtype)
+    out = torch.empty_like(x, dtype=dtype)
     n = x.shape[0]
     if x.device.type != "cpu" or not x.is_contiguous() or not out.is_contiguous() or not x.numel():
         _run_chunk(x, out, work, lambda v: bcast(v, x.ndim))
@@ -137,8 +132,8 @@ def pointwise_windows(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int]
     elements (:func:`~lightning_fastdata.augment_crop.cut_windows`), so each slab stays in
     cache through the steps.
     """
-    work = _work_steps(steps, x.dtype)
-    return cut_windows(x, offset, size, mirror, rows, _out_dtype(work), POINTWISE_CHUNK,
+    work, dtype = _work_steps(steps, x.dtype)
+    return cut_windows(x, offset, size, mirror, rows, dtype, POINTWISE_CHUNK,
                        lambda part, dst, i: _run_chunk(part, dst, work, lambda v: v[i:i + 1]))
 
 

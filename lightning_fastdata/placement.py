@@ -702,7 +702,7 @@ class _EncodedBytes:
 
 
 def _share(stores: Mapping[str, Any], plan: Plan, sharing: Sharing, readers: bool | None = None,
-           what: str = "", fallback_to: str = "the disk cache") -> dict[str, Segment]:
+           what: str = "", fallback_to: str | None = None) -> dict[str, Segment]:
     """One node-local copy of the host-resident stores when several processes read them.
 
     With ``shared_memory="auto"`` that is when the plan reads stores from host memory
@@ -731,10 +731,9 @@ def _share(stores: Mapping[str, Any], plan: Plan, sharing: Sharing, readers: boo
         if sharing.local_rank == 0:
             warnings.warn(msg, UserWarning, stacklevel=4)
 
-    extra = {} if fallback_to == "the disk cache" else {"fallback_to": fallback_to}
     segments = share_stores(stores, headroom=headroom, fallback=sharing.mode == "auto", warn=warn,
                             rank=sharing.rank, local_rank=sharing.local_rank,
-                            local_world_size=sharing.local_world_size, **extra)
+                            local_world_size=sharing.local_world_size, fallback_to=fallback_to)
     if segments:
         nbytes = sum(seg.size for seg in segments.values())
         plan.reasons["shared_memory"] = (
@@ -742,7 +741,7 @@ def _share(stores: Mapping[str, Any], plan: Plan, sharing: Sharing, readers: boo
             f"{sharing.local_world_size} local rank(s) x {max(plan.num_workers, 1)} reader(s) each"
         )
     else:
-        plan.reasons["shared_memory"] = f"fallback to {fallback_to}: " + (notes[0] if notes else "")
+        plan.reasons["shared_memory"] = f"fallback to {fallback_to or 'the disk cache'}: " + (notes[0] if notes else "")
     return segments
 
 
@@ -853,11 +852,10 @@ def place(stores: Mapping[str, Store], plan: Plan, device: torch.device | str, c
     # memory: a device source holds its own copy, a segment beside it would only take RAM.
     # Every rank placed the same level, so every rank takes part in the same sharing.
     host_read = {s: st for s, st in stores.items() if isinstance(sources.get(s), (ChunkedSource, HostSource))}
-    if not host_read and out.segments:
-        return out
-    if not host_read and sharing.mode == "on":
-        plan.reasons["shared_memory"] = (f"on, but nothing to share: strategy {plan.strategy!r} holds every "
-                                         "store on the device, read from the disk cache once")
+    if not host_read:
+        if sharing.mode == "on" and not out.segments:
+            plan.reasons["shared_memory"] = (f"on, but nothing to share: strategy {plan.strategy!r} holds every "
+                                             "store on the device, read from the disk cache once")
         return out
     segments = _share(host_read, plan, sharing)
     for split, seg in segments.items():

@@ -593,6 +593,10 @@ def _node_ranks(rank: int, local_rank: int, local_world_size: int) -> tuple[int,
     return leader, list(range(leader, leader + local_world_size))
 
 
+#: What the host-read strategies read when /dev/shm cannot hold a store.
+_DISK_CACHE = "the memory-mapped disk cache (one page-cache copy per node)"
+
+
 def share_stores(
     stores: Mapping[str, Store],
     *,
@@ -602,7 +606,7 @@ def share_stores(
     rank: int | None = None,
     local_rank: int | None = None,
     local_world_size: int | None = None,
-    fallback_to: str = "the memory-mapped disk cache (one page-cache copy per node)",
+    fallback_to: str | None = None,
 ) -> dict[str, Segment]:
     """Put one copy of each store in node-local shared memory; collective over all ranks.
 
@@ -617,7 +621,8 @@ def share_stores(
         fallback: When ``/dev/shm`` is too small, warn and return ``{}`` (the stores keep
             their disk memory maps) instead of raising.
         warn: Receives the fallback warning (default ``warnings.warn``).
-        fallback_to: What the caller reads instead after a fallback, for the warning.
+        fallback_to: What the caller reads instead after a fallback, for the warning
+            (default: the memory-mapped disk cache).
         rank, local_rank, local_world_size: This process's place (default: from
             :mod:`~lightning_fastdata.distributed`).
 
@@ -713,7 +718,7 @@ def share_stores(
             raise SharedMemoryError((fatal or [f["error"] for f in failures])[0])
         if node_error:
             # Too little space on this node: the disk cache's memory maps stay in place.
-            msg = f"{node_error}; falling back to {fallback_to}"
+            msg = f"{node_error}; falling back to {fallback_to or _DISK_CACHE}"
             if warn is None:
                 import warnings
 
