@@ -29,6 +29,12 @@ machine falls on all of them, not on whichever happened to run then.
   ``RandomScaleIntensity``, batched on the device; the training loader timed, with its
   augmentation (as in training with the default ``augment_ahead="auto"``: ahead of the
   consumer in a background thread on CUDA, between batches in the consumer's thread on a CPU).
+- ``lightning_fastdata device, window cached``: the same, with the window applied once per
+  volume by the data module's ``static_transform`` (float32 images in the store, as in
+  MONAI's cache), so each batch gets the crop, flips and random scale only: MONAI's per-sample work.
+
+Each row also records what its cache holds in memory (``cache_mb``): MONAI's cached images,
+masks and foreground/background index lists; our store.
 
 Both MONAI recipes use ``copy_cache=False`` and ``set_track_meta(False)``, as MONAI's
 fast-training tutorial does. The JSON records each side's output shapes and dtypes and
@@ -74,6 +80,8 @@ from lightning_fastdata.host_memory import describe as host_memory_state
 from lightning_fastdata.host_memory import keep_freed_memory
 
 RESULTS = Path(__file__).parent / "results" / "volumes.json"
+FASTDATA = "lightning_fastdata device"
+FASTDATA_CACHED = "lightning_fastdata device, window cached"
 HU_MIN, HU_MAX = -1000, 1000
 SCALE = 0.1  # intensity factor in [1 - SCALE, 1 + SCALE]
 
@@ -153,6 +161,7 @@ class Side(NamedTuple):
     make: Callable[[], Iterable[Any]]
     finish: Callable[[Any], dict[str, Any]] | None
     cache_s: float
+    cache_bytes: int
     close: Callable[[], None] = lambda: None
 
 
@@ -170,7 +179,8 @@ def run_sides(sides: list[Side], args: argparse.Namespace, device: torch.device)
     for side, r, shape in zip(sides, rates, shapes, strict=True):
         print(f"  {side.loader} ({side.settings}): {statistics.median(r):,.1f} samples/s", file=sys.stderr)
         rows.append({"loader": side.loader, "settings": side.settings, "num_workers": side.num_workers,
-                     "samples_per_s": statistics.median(r), "rates": r, "cache_s": side.cache_s, "output": shape})
+                     "samples_per_s": statistics.median(r), "rates": r, "cache_s": side.cache_s,
+                     "cache_mb": side.cache_bytes / 1e6, "output": shape})
     return rows
 
 
@@ -211,6 +221,15 @@ def _monai_transforms(crop: int, device: torch.device | None) -> tuple[list[Any]
     return cached, rand
 
 
+def _nbytes(item: Any) -> int:
+    """Bytes of the arrays and tensors in a cached item (a dict of them)."""
+    if isinstance(item, dict):
+        return sum(_nbytes(v) for v in item.values())
+    if isinstance(item, torch.Tensor):
+        return item.numel() * item.element_size()
+    return int(getattr(item, "nbytes", 0))
+
+
 def _monai_dataset(images: np.ndarray, labels: np.ndarray, crop: int, device: torch.device | None) -> tuple[Any, float]:
     from monai.data import CacheDataset
     from monai.transforms import Compose
@@ -232,6 +251,11 @@ def _monai_finish(device: torch.device) -> Callable[[Any], dict[str, Any]]:
     return finish
 
 
+def _cache_bytes(ds: Any) -> int:
+    """What a MONAI CacheDataset holds: images, labels and the foreground/background index lists."""
+    return sum(_nbytes(item) for item in ds._cache)
+
+
 def monai_dataloader_sides(images: np.ndarray, labels: np.ndarray, args: argparse.Namespace,
                            device: torch.device) -> list[Side]:
     """MONAI CacheDataset + DataLoader (random transforms per sample in workers), at each worker count."""
@@ -245,7 +269,7 @@ def monai_dataloader_sides(images: np.ndarray, labels: np.ndarray, args: argpars
                                            prefetch_factor=2 if nw else None, drop_last=True))
 
     return [Side("monai DataLoader", f"CacheDataset, num_workers={nw}" + (", persistent" if nw else ""), nw, make(nw),
-                 _monai_finish(device), cache_s) for nw in args.workers]
+                 _monai_finish(device), cache_s, _cache_bytes(ds)) for nw in args.workers]
 
 
 def monai_thread_side(images: np.ndarray, labels: np.ndarray, args: argparse.Namespace, device: torch.device) -> Side:
@@ -258,7 +282,7 @@ def monai_thread_side(images: np.ndarray, labels: np.ndarray, args: argparse.Nam
         return _endless(ThreadDataLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=0,
                                          drop_last=True))
     return Side("monai ThreadDataLoader", f"CacheDataset on {device.type}, num_workers=0", 0, make,
-                _monai_finish(device), cache_s)
+                _monai_finish(device), cache_s, _cache_bytes(ds))
 
 
 # --------------------------------------------------------------------------- lightning_fastdata
@@ -277,34 +301,49 @@ class ArrayVolumes(Dataset):
         return {"image": torch.from_numpy(self.images[i]), "label": torch.from_numpy(self.labels[i])}
 
 
-class BenchVolumes(OptimizedDataModule):
-    """The same volumes as an OptimizedDataModule (no static transform: the arrays are the samples)."""
+#: The HU window every side applies: MONAI's recipe caches it, the int16 store applies it per batch.
+WINDOW = A.ScaleIntensityRange(a_min=HU_MIN, a_max=HU_MAX, b_min=0.0, b_max=1.0, clip=True)
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, **kwargs: Any) -> None:
+
+class BenchVolumes(OptimizedDataModule):
+    """The same volumes as an OptimizedDataModule: the arrays are the samples (int16 images in the
+    store), or, with ``window``, the static transform windows the images once (float32 in the store,
+    as MONAI's cache holds them)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, window: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._images, self._labels = images, labels
+        self._images, self._labels, self._window = images, labels, window
 
     def source(self, split: str) -> Dataset | None:
         return ArrayVolumes(self._images, self._labels) if split == "train" else None
 
+    def static_transform(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self._window:
+            return sample
+        return {"image": WINDOW(sample["image"][None])[0], "label": sample["label"]}
 
-def fastdata_augment(crop: int) -> A.BatchTransform:
-    """The device strategy's equivalent of the MONAI random transforms (crop first: int16 is cheaper)."""
+
+def fastdata_augment(crop: int, window: bool = True) -> A.BatchTransform:
+    """The device strategy's equivalent of the MONAI random transforms (crop first: int16 is cheaper);
+    without ``window`` for a store that holds windowed images already."""
     return A.Compose([
         A.RandomCropByLabel((crop,) * 3, pos=1, neg=1, label="label"),
         A.RandomFlip(dims=(-3, -2, -1), p=0.5),
-        A.ScaleIntensityRange(a_min=HU_MIN, a_max=HU_MAX, b_min=0.0, b_max=1.0, clip=True),
+        *([WINDOW] if window else []),
         A.RandomScaleIntensity(SCALE, p=1.0),
     ])
 
 
 def fastdata_side(images: np.ndarray, labels: np.ndarray, work: Path, args: argparse.Namespace,
-                  device: torch.device) -> Side:
-    """lightning_fastdata's device strategy: the training loader with its batched augmentation."""
-    dm = BenchVolumes(images, labels, batch_size=args.batch_size, strategy="device", device=str(device),
-                      keep_freed_memory=not args.default_malloc,
-                      cache_dir=str(work / "fastdata"), field_kinds={"image": "image", "label": "mask"},
-                      train_augment=fastdata_augment(args.crop), drop_last=True, progress=False)
+                  device: torch.device, cached_window: bool = False) -> Side:
+    """lightning_fastdata's device strategy: the training loader with its batched augmentation; the
+    window applied per batch to the int16 store, or, with ``cached_window``, cached as MONAI caches it."""
+    dm = BenchVolumes(images, labels, window=cached_window, batch_size=args.batch_size, strategy="device",
+                      device=str(device), keep_freed_memory=not args.default_malloc,
+                      cache_dir=str(work / ("fastdata-window" if cached_window else "fastdata")),
+                      field_kinds={"image": "image", "label": "mask"},
+                      train_augment=fastdata_augment(args.crop, window=not cached_window), drop_last=True,
+                      progress=False)
     quiet = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the plan's log would bury the table
@@ -330,8 +369,12 @@ def fastdata_side(images: np.ndarray, labels: np.ndarray, work: Path, args: argp
             shut()
         dm.teardown("fit")
 
-    return Side("lightning_fastdata device", f"store on {device.type}, batched augmentation", 0,
-                lambda: _endless(loader), finish, cache_s, close)
+    held = sum(st.nbytes for st in dm.stores.values())
+    if cached_window:
+        return Side(FASTDATA_CACHED, f"float32 store on {device.type} (window cached), batched augmentation", 0,
+                    lambda: _endless(loader), finish, cache_s, held, close)
+    return Side(FASTDATA, f"int16 store on {device.type}, batched augmentation", 0,
+                lambda: _endless(loader), finish, cache_s, held, close)
 
 
 # --------------------------------------------------------------------------- report
@@ -425,15 +468,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sides += monai_dataloader_sides(images, labels, args, device)
         sides.append(monai_thread_side(images, labels, args, device))
         sides.append(fastdata_side(images, labels, work, args, device))
+        sides.append(fastdata_side(images, labels, work, args, device, cached_window=True))
         rows = run_sides(sides, args, device)
     finally:
         for side in sides:
             side.close()
         shutil.rmtree(work, ignore_errors=True)
-    summary = [r for r in (best_of(rows, n) for n in ("monai DataLoader", "monai ThreadDataLoader",
-                                                       "lightning_fastdata device")) if r is not None]
+    summary = [r for r in (best_of(rows, n) for n in ("monai DataLoader", "monai ThreadDataLoader", FASTDATA,
+                                                       FASTDATA_CACHED)) if r is not None]
     monai_best = max((r for r in summary if r["loader"].startswith("monai")), key=lambda r: r["samples_per_s"])
-    ours = best_of(rows, "lightning_fastdata device")
+    ours, cached = best_of(rows, FASTDATA), best_of(rows, FASTDATA_CACHED)
     outputs = {r["loader"]: r["output"] for r in summary}
     shapes = {json.dumps({k: v[0] for k, v in o.items()}, sort_keys=True) for o in outputs.values()}
     dtypes = {json.dumps({k: v[1] for k, v in o.items()}, sort_keys=True) for o in outputs.values()}
@@ -448,8 +492,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "outputs": outputs, "same_output_shapes": len(shapes) == 1, "same_output_dtypes": len(dtypes) == 1,
         "baseline": f"{monai_best['loader']} ({monai_best['settings']})",
         "summary": [{"loader": r["loader"], "settings": r["settings"], "samples_per_s": r["samples_per_s"],
-                     "vs_monai_best": r["samples_per_s"] / monai_best["samples_per_s"]} for r in summary],
+                     "cache_mb": r["cache_mb"], "vs_monai_best": r["samples_per_s"] / monai_best["samples_per_s"]}
+                    for r in summary],
         "device_vs_monai_best": ours["samples_per_s"] / monai_best["samples_per_s"] if ours else None,
+        "window_cached_vs_monai_best": cached["samples_per_s"] / monai_best["samples_per_s"] if cached else None,
         "results": rows,
     }
     out = Path(args.out)

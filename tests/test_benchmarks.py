@@ -234,7 +234,13 @@ def test_volumes_quick_writes_json(tmp_path):
     res = json.loads(out.read_text())
     assert res["quick"] is True and res["crop"] == 48 and res["side"] == 64
     loaders = [r["loader"] for r in res["summary"]]
-    assert loaders == ["monai DataLoader", "monai ThreadDataLoader", "lightning_fastdata device"]
+    assert loaders == ["monai DataLoader", "monai ThreadDataLoader", "lightning_fastdata device",
+                       "lightning_fastdata device, window cached"]
+    # What each side holds: MONAI's cache (float32 images, masks, int64 voxel index lists) is
+    # larger than the float32 store of the window-cached side, itself larger than the int16 one.
+    cache = {r["loader"]: r["cache_mb"] for r in res["summary"]}
+    assert cache["monai DataLoader"] > cache["lightning_fastdata device, window cached"] > cache[
+        "lightning_fastdata device"] > 0
     assert {r["num_workers"] for r in res["results"] if r["loader"] == "monai DataLoader"} == {0, 1}
     assert all(r["samples_per_s"] > 0 for r in res["results"])
     # The same work on every side: the same batch shapes and dtypes come out.
@@ -244,7 +250,10 @@ def test_volumes_quick_writes_json(tmp_path):
         assert output["label"][0] == [2, 1, 48, 48, 48]
     assert res["device_vs_monai_best"] == pytest.approx(
         res["summary"][2]["samples_per_s"] / max(r["samples_per_s"] for r in res["summary"][:2]))
+    assert res["window_cached_vs_monai_best"] == pytest.approx(
+        res["summary"][3]["samples_per_s"] / max(r["samples_per_s"] for r in res["summary"][:2]))
     assert "| lightning_fastdata device |" in proc.stdout
+    assert "| lightning_fastdata device, window cached |" in proc.stdout
 
 
 def test_volume_ops_breakdown_times_every_op_and_the_fused_compose(tmp_path):
