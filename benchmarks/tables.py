@@ -349,8 +349,10 @@ def other_cpu(results: Path) -> str:
          "(median epoch after the first; the target was 1.3x)", _null_model(null),
          "`OMP_NUM_THREADS=1 python benchmarks/null_model_epoch.py`"],
         [f"3-D volumes with masks ({vol['volumes']} x 1x{vol['side']}^3 int16, {vol['crop']}^3 label-centred crops "
-         f"+ flips + window + intensity scale, batch {vol['batch_size']}): the `device` strategy against MONAI's best "
-         "recipe on the same work (the target was 2x; [docs/volumes.md](docs/volumes.md))", _volumes_row(vol),
+         f"+ flips + HU window + intensity scale, batch {vol['batch_size']}): the `device` strategy against MONAI's "
+         "best recipe on the same work, with the window cached as MONAI's recipe caches it and with the compact int16 "
+         "store windowed per batch; each side's cache in memory in parentheses (the target was 2x; "
+         "[docs/volumes.md](docs/volumes.md))", _volumes_row(vol),
          "`python benchmarks/volumes.py`"],
         ["variable-size JPEGs (RandomResizedCrop(224) + flip) against a plain `ImageFolder` DataLoader at its best "
          "`num_workers` (the target was 3x; [docs/jpeg.md](docs/jpeg.md))", _jpeg_row(jpeg),

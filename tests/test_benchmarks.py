@@ -256,6 +256,36 @@ def test_volumes_quick_writes_json(tmp_path):
     assert "| lightning_fastdata device, window cached |" in proc.stdout
 
 
+def test_volumes_window_cached_side_makes_the_same_crops_from_a_float32_store(tmp_path):
+    """The benchmark's two sides of ours, without MONAI: the window-cached store holds float32
+    images (5 bytes per voxel with the mask, against 3), and, the crop and the flips drawing at
+    the same positions of both pipelines, the masks come out the same, bit for bit, and each
+    sample's image is the int16 side's up to its random scale (the only draw that differs)."""
+    vol = _module("volumes")
+    images, labels = vol.make_volumes(3, 24)
+    args = type("Args", (), {"batch_size": 2, "crop": 16, "default_malloc": True})()
+    got = {}
+    for cached in (False, True):
+        side = vol.fastdata_side(images, labels, tmp_path, args, torch.device("cpu"), cached_window=cached)
+        try:
+            it = iter(side.make())
+            got[cached] = [side.finish(next(it)) for _ in range(3)], side.cache_bytes
+        finally:
+            side.close()
+    (plain, plain_bytes), (cached, cached_bytes) = got[False], got[True]
+    assert (plain_bytes, cached_bytes) == (3 * 24**3 * 3, 3 * 24**3 * 5)
+    for a, b in zip(plain, cached, strict=True):
+        assert torch.equal(a["label"], b["label"]) and a["label"].dtype == torch.uint8
+        assert a["image"].dtype == b["image"].dtype == torch.float32
+        assert a["image"].shape == b["image"].shape == (2, 1, 16, 16, 16)
+        for x, y in zip(a["image"], b["image"], strict=True):
+            nz = y.abs() > 1e-3
+            ratio = x[nz] / y[nz]  # (1 + f) / (1 + g): one constant per sample
+            assert nz.any() and torch.allclose(ratio, ratio.median().expand_as(ratio), rtol=1e-5)
+            assert 0.9 / 1.1 - 1e-6 <= ratio.median() <= 1.1 / 0.9 + 1e-6
+        assert 0 <= float(b["image"].min()) and float(b["image"].max()) <= 1.1
+
+
 def test_volume_ops_breakdown_times_every_op_and_the_fused_compose(tmp_path):
     out = tmp_path / "ops.json"
     threads = torch.get_num_threads()
