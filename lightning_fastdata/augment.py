@@ -84,9 +84,10 @@ def _check_ops(transforms: Sequence[Callable], owner: str) -> list[Callable]:
 
 def _run(op: Callable, batch: Batch, keys: SampleKeys) -> Batch:
     """Run one op with ``keys``; a plain callable (not a BatchTransform) maps each image field
-    (each image of a list field: it takes a tensor, never a list)."""
+    (each image of a list field: it takes a tensor, never a list). The batch comes back with
+    its own keys, not the op's: the next op of a sequence draws from the sequence's keys."""
     if isinstance(op, BatchTransform):
-        return op.forward(batch.replace(keys=keys))
+        return op.forward(batch.replace(keys=keys)).replace(keys=batch.keys)
     masks = batch.names("mask")
     if masks:
         _warn_images_only(op, masks)
@@ -174,12 +175,14 @@ def _windows_into_chain(op: RandomCrop | RandomCropByLabel, batch: Batch) -> boo
     return math.prod(op.window_size(batch)) >= augment_crop.WINDOWS_FROM_ELEMENTS
 
 
-def _crop_run(ops: Sequence[Callable], i: int, batch: Batch) -> tuple[Batch, int] | None:
+def _crop_run(ops: Sequence[Callable], i: int, batch: Batch, keys: SampleKeys) -> tuple[Batch, int] | None:
     """The crop ``ops[i]`` with what it fuses with: a following ``RandomFlip`` (mirrored
     windows cut in one pass) and, on the CPU, a following chain of pointwise intensity ops
-    (image windows read straight into the chain: ``pointwise_windows``). The batch after the
-    run and the index of the next op; None when nothing follows that fuses."""
-    op, keys = ops[i], batch.keys
+    (image windows read straight into the chain: ``pointwise_windows``); op j draws from
+    ``keys.child(j)``, ``keys`` being the Compose's (not ``batch.keys``: after an op ran on
+    its own, those are that op's). The batch after the run and the index of the next op;
+    None when nothing follows that fuses."""
+    op = ops[i]
     nxt = ops[i + 1] if i + 1 < len(ops) else None
     start = i + 2 if _fusable_flip(nxt) else i + 1
     end = _run_end(ops, start, _keyed)
@@ -255,7 +258,7 @@ class Compose(BatchTransform):
             op = ops[i]
             nxt = ops[i + 1] if i + 1 < len(ops) else None
             if _fusable_crop(op) and not batch.ragged:
-                fused = _crop_run(ops, i, batch)
+                fused = _crop_run(ops, i, batch, keys)
                 if fused is not None:
                     batch, i = fused
                     continue

@@ -318,6 +318,48 @@ def test_compose_gives_each_op_its_child_keys():
     assert torch.equal(nested, A.RandomAffine(20)(x, k.child(0).child(0)))
 
 
+@pytest.mark.parametrize("lead", [A.ScaleIntensityRange(-1000, 1000, clip=True), A.RandomFlip(dims=(-2,))],
+                         ids=["window-first", "flip-first"])
+@pytest.mark.parametrize("crop", [A.RandomCropByLabel((5, 6, 7)), A.RandomCrop((5, 6, 7))], ids=["label", "random"])
+@pytest.mark.parametrize("tail", ["flip", "chain", "flip+chain"])
+@pytest.mark.usefixtures("both_paths", "mirror_regimes")
+def test_a_crop_fused_after_another_op_draws_from_its_own_keys(lead, crop, tail):
+    """A crop that Compose fuses with what follows it (a flip, an intensity chain) drew from
+    the keys of the op before it (``keys.child(0).child(i)``): with MONAI's usual order, the
+    window first, the crops, flips and factors were not those of the ops one by one, and as
+    whether a crop fuses depends on the device and the window size, a CPU run and a CUDA run
+    cropped the same sample differently. Every op of the run now draws from the Compose's
+    ``keys.child(i)``."""
+    g = torch.Generator().manual_seed(3)
+    img = torch.randint(-1200, 1200, (4, 1, 9, 10, 11), generator=g).to(torch.int16)
+    lab = (img > 300).to(torch.uint8)
+    kinds = {"image": "image", "label": "mask"}
+    k = keys(4, seed=9)
+    ops = [lead, crop, *([A.RandomFlip(dims=(-3, -2, -1))] if "flip" in tail else []),
+           *([A.RandomScaleIntensity(0.1), A.RandomShiftIntensity(0.05)] if "chain" in tail else [])]
+    fused = A.Compose(ops)(A.Batch({"image": img, "label": lab}, kinds, k))
+    seq = A.Batch({"image": img, "label": lab}, kinds, k)
+    for i, op in enumerate(ops):
+        seq = op(seq, k.child(i))
+    for name in kinds:
+        assert fused.fields[name].dtype == seq.fields[name].dtype
+        assert torch.equal(fused.fields[name], seq.fields[name]), name
+
+
+@pytest.mark.usefixtures("both_paths")
+def test_random_apply_gives_each_transform_its_child_keys():
+    """RandomApply's second transform drew from ``keys.child(0).child(1)`` (the first one's keys
+    leaked into the batch), not the documented ``keys.child(1)``."""
+    x = images(6, dtype=torch.float32)
+    k = keys(6, seed=2)
+    inner = [A.RandomShiftIntensity(0.3), A.RandomScaleIntensity(0.3), A.GaussianNoise(clip=False)]
+    op = A.RandomApply(inner, p=1.0)
+    ref = x
+    for i, t in enumerate(inner):
+        ref = t(ref, op.draw(x, k)["keys"].child(i))
+    assert torch.equal(op(x, k), ref)
+
+
 @pytest.mark.filterwarnings("ignore:Compose applies")
 def test_compose_applies_plain_callables_to_image_fields():
     x = images(2, dtype=torch.float32)
