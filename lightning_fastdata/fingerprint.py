@@ -6,11 +6,13 @@ store's manifest, so that when a cache is rebuilt the warning can say what chang
 ``code``
     The bytecode and constants of the static transform and of the source's class
     (every method of its class and of its bases, except ``object``/``typing``/
-    ``torch.utils.data`` ones), recursively for the functions and classes of the same
-    module they reach by global name, and for the methods of the transform's own class
-    it reaches through ``self``. Functions of other modules enter by name and their
-    package's version. Bytecode, not source text: an edit to a comment or a blank line
-    does not rebuild a cache, and lambdas and functions without a source file are seen.
+    ``torch.utils.data`` ones), recursively for the user's functions and classes they
+    reach by global name (in any module of the project: a helper in another file too,
+    and what the code reads from a project module it imports whole), and for the methods
+    of the transform's own class it reaches through ``self``. Installed code (site-packages,
+    the standard library) enters by name and its package's version. Bytecode, not source
+    text: an edit to a comment or a blank line does not rebuild a cache, and lambdas and
+    functions without a source file are seen.
 ``config``
     The data module's init arguments that can change what is cached (not its loader
     settings), as canonical text.
@@ -18,7 +20,9 @@ store's manifest, so that when a cache is rebuilt the warning can say what chang
     Path, size and ``mtime_ns`` of every file the source reads (a hook's list, or paths
     discovered on the dataset: ``ImageFolder.samples`` and the like).
 ``source``
-    The dataset's class, length and instance state (its attributes, canonicalised).
+    The dataset's class, length and construction-time attributes (:data:`SOURCE_ATTRIBUTES`),
+    and the samples it holds in memory (:data:`SOURCE_ARRAYS`: ``TensorDataset.tensors``,
+    torchvision's ``data``/``targets``).
 ``probes``
     The bytes, dtypes and shapes of the static outputs of probe samples spread over
     the index range.
@@ -67,6 +71,11 @@ _SKIP_BASES = ("builtins", "typing", "abc", "collections.abc")
 #: conventions, ``Subset.indices``). Other attributes are not hashed: datasets often open
 #: handles lazily or memoise, which would change the fingerprint between two calls.
 SOURCE_ATTRIBUTES = ("root", "split", "train", "transform", "target_transform", "transforms", "loader", "indices")
+#: Attributes that hold a source's samples in memory (``TensorDataset.tensors``, torchvision's
+#: ``.data``/``.targets``, SVHN's ``.labels``): hashed when they are arrays or tensors, tuples or
+#: lists of them, or lists of plain values. A sample changed there, outside the probes, would
+#: otherwise reuse a stale cache when the source loads them from a file it does not name.
+SOURCE_ARRAYS = ("tensors", "data", "targets", "labels")
 
 
 def probe_indices(n: int, probes: int = PROBES) -> list[int]:
@@ -173,9 +182,7 @@ class Canon:
         if array is not None:
             return f"{name}[{array.dtype.str}{list(array.shape)}]:{_array_digest(array)}"
         if _is_dataset(obj):  # as a source: never its lazily opened handles or counters
-            state = _state(obj) or {}
-            attrs = {k: state[k] for k in SOURCE_ATTRIBUTES if k in state}
-            return f"dataset:{name}[{_safe_len(obj)}]({self.value(attrs, True, depth + 1)})"
+            return f"dataset:{name}[{_safe_len(obj)}]({self.value(_source_state(obj), True, depth + 1)})"
         return self._object(obj, name, depth)
 
     def _sequence(self, obj: Any, mutable: bool, depth: int) -> str:
@@ -246,9 +253,10 @@ class Canon:
                     parts.append(self.value(cell.cell_contents, False))
                 except ValueError:  # an empty cell
                     parts.append("<empty cell>")
+            attrs = _attribute_names(fn.__code__)
             for gname in sorted(_global_names(fn.__code__)):
                 if gname in fn.__globals__:
-                    parts.append(f"{gname}={self._global(fn.__globals__[gname], module)}")
+                    parts.append(f"{gname}={self._global(fn.__globals__[gname], module, attrs)}")
             if owner is not None:
                 for aname in sorted(_attribute_names(fn.__code__)):
                     parts.append(self._owner_attribute(owner, aname, module))
@@ -302,13 +310,19 @@ class Canon:
                 parts.append(self.value(const, False))
         return _sha(*parts)[:16]
 
-    def _global(self, value: Any, home: str) -> str:
-        """A global reached by name: same-module code is hashed; other code is named and versioned."""
+    def _global(self, value: Any, home: str, attrs: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+        """A global reached by name: the user's code is hashed, whichever module holds it (a
+        helper in another file of the project too); installed code is named and versioned.
+        A user's module reached by name (``import helpers``) is hashed through what the code
+        loads from it (``attrs``: the attribute names it reads)."""
         module = getattr(value, "__module__", None) if isinstance(value, (type, types.FunctionType)) else None
-        if module == home:
+        if module == home or (module is not None and not _is_library(module)):
             return self.klass(value) if isinstance(value, type) else self.function(value)
         if isinstance(value, (type, types.FunctionType)):
             return f"{_qualname(value)}[{_version(module or '')}]"
+        if isinstance(value, types.ModuleType) and not _is_library(value.__name__):
+            return f"module:{value.__name__}:" + ",".join(
+                f"{a}={self._global(getattr(value, a), value.__name__)}" for a in sorted(attrs) if hasattr(value, a))
         return self.value(value, False)
 
     def _owner_attribute(self, owner: type, name: str, home: str) -> str:
@@ -518,11 +532,29 @@ def source_component(source: Any, n: int, canon: Canon) -> dict[str, Any]:
     """The dataset's class and length, and its construction-time attributes (:data:`SOURCE_ATTRIBUTES`)."""
     attrs = {}
     for k, ds in enumerate(_sources(source)):
-        state = _state(ds) or {}
-        for name in SOURCE_ATTRIBUTES:
-            if name in state:
-                attrs[f"{k}.{name}"] = state[name]
+        for name, value in _source_state(ds).items():
+            attrs[f"{k}.{name}"] = value
     return {"class": _qualname(type(source)), "len": n, "attributes": _sha(canon.value(attrs))[:32]}
+
+
+def _source_state(ds: Any) -> dict[str, Any]:
+    """What of a dataset's state enters its fingerprint: :data:`SOURCE_ATTRIBUTES`, and
+    :data:`SOURCE_ARRAYS` holding in-memory samples."""
+    state = _state(ds) or {}
+    out = {k: state[k] for k in SOURCE_ATTRIBUTES if k in state}
+    for k in SOURCE_ARRAYS:
+        if k in state and _samples_in_memory(state[k]):
+            out[k] = state[k]
+    return out
+
+
+def _samples_in_memory(value: Any) -> bool:
+    """An array or tensor, a tuple or list of them, or a list of plain values (labels)."""
+    if _as_array(value) is not None:
+        return True
+    if isinstance(value, (tuple, list)) and value:
+        return all(_as_array(v) is not None for v in value) or _plain(value)
+    return False
 
 
 def leaf_digests(leaves: Sequence[tuple[str, np.ndarray]]) -> list[str]:

@@ -151,6 +151,76 @@ def test_helper_reached_by_global_name_is_hashed_comments_are_not(tmp_path, monk
     sys.modules.pop("fp_helper", None)
 
 
+def test_a_helper_in_another_project_module_is_hashed(tmp_path, monkeypatch):
+    """A static transform calling a helper from another file of the project (``from helpers
+    import fix``, or ``import helpers`` then ``helpers.fix``): the helper's code was recorded by
+    name only, so an edit to it that changed only non-probe samples reused the stale cache,
+    silently. The user's code is hashed in whichever module it lives; installed code is not."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    helper = textwrap.dedent('''
+        LIMIT = 200
+
+        def fix(x, i):
+            {BODY}
+            return x
+    ''')
+    users = {"fp_from_import": "from fp_helpers import fix\n\ndef transform(s):\n    return fix(*s), s[1]\n",
+             "fp_module_import": "import numpy as np\nimport fp_helpers\n\n"
+                                 "def transform(s):\n    return np.asarray(fp_helpers.fix(*s)), s[1]\n"}
+
+    def digests(body: str) -> dict[str, str]:
+        _write_module(tmp_path, "fp_helpers", helper.replace("{BODY}", body))
+        return {name: Canon().callable(_write_module(tmp_path, name, text).transform) for name, text in users.items()}
+
+    base = digests("pass")
+    assert digests("pass  # a comment only") == base
+    edited = digests("x = x * 0 if i == 17 else x")
+    assert all(edited[name] != base[name] for name in users)
+    canon = Canon()
+    canon.callable(_write_module(tmp_path, "fp_module_import", users["fp_module_import"]).transform)
+    assert "fp_helpers.fix" in canon.code and not any(name.startswith("numpy") for name in canon.code)
+    for name in ("fp_helpers", *users):
+        sys.modules.pop(name, None)
+
+
+class _FromFile(OptimizedDataModule):
+    """A source that loads its samples from a file it does not name (no ``source_files``)."""
+
+    def __init__(self, path: str, **kwargs) -> None:
+        super().__init__(progress=False, device="cpu", **kwargs)
+        self.path = path
+
+    def source(self, split):
+        if split != "train":
+            return None
+        x = torch.from_numpy(np.load(self.path))
+        return torch.utils.data.TensorDataset(x, torch.arange(len(x)))
+
+
+def test_samples_held_in_memory_by_the_source_enter_the_fingerprint(tmp_path):
+    """A ``TensorDataset`` loaded inside ``source()`` from a file rewritten with one non-probe
+    sample changed (same length): the cache was reused, serving the old sample. Its tensors
+    enter the fingerprint now; the unchanged file still reuses the cache."""
+    data, cache = tmp_path / "train.npy", str(tmp_path / "cache")
+    x = np.arange(50 * 6, dtype=np.uint8).reshape(50, 6)
+    np.save(data, x)
+    first = _FromFile(str(data), cache_dir=cache)
+    first.prepare_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same file: the cache is reused, nothing to say
+        again = _FromFile(str(data), cache_dir=cache)
+        again.prepare_data()
+    x[5] = 0  # sample 5 is not a probe (50 samples: 0, 7, 14, ...)
+    np.save(data, x)
+    edited = _FromFile(str(data), cache_dir=cache)
+    with pytest.warns(UserWarning, match=r"fingerprint differs.*source changed") as record:
+        edited.prepare_data()
+    assert "probe" not in _messages(record)[0]
+    edited.setup("fit")
+    assert edited.stores["train"].fields[0][5].tolist() == [0] * 6
+
+
 _STABLE = """
 import sys
 sys.path.insert(0, {tests!r})
