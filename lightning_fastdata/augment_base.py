@@ -703,11 +703,13 @@ def probability(p: float, name: str = "p") -> float:
     return value
 
 
-def refuse_unfit_fill(batch: Batch, values: Sequence[float], op: str, shown: Any, truncated: bool) -> None:
+def refuse_unfit_fill(batch: Batch, values: Sequence[float], op: str, shown: Any, truncated: bool,
+                      param: str = "fill") -> None:
     """A ValueError naming the first integer image field of ``batch`` that cannot hold one of
-    the fill ``values`` (``shown`` as given to ``op``): a fill past the dtype's range was wrapped
-    or clamped by torch without a word. ``truncated``: the fill is truncated toward zero (so
-    ``top + 0.5`` still fits); else it is rounded half to even, as the pixels are, then must fit."""
+    the fill ``values`` (``shown`` as given to ``op``'s ``param``): a fill past the dtype's range
+    was wrapped or clamped by torch without a word. ``truncated``: the fill is truncated toward
+    zero (so ``top + 0.5`` still fits); else it is rounded half to even, as the pixels are, then
+    must fit."""
     for name in batch.names("image"):
         dtype = batch.field_dtype(name)
         if dtype not in INT_MAX:
@@ -715,8 +717,8 @@ def refuse_unfit_fill(batch: Batch, values: Sequence[float], op: str, shown: Any
         top = INT_MAX[dtype]
         low = -top - 1 if dtype.is_signed else 0
         if any(not (low <= v < top + 1 if truncated else low <= round(v) <= top) for v in values):
-            raise ValueError(f"{op} fill={shown!r} does not fit the image field {name!r} ({dtype}, values "
-                             f"{low}..{top}); give a fill in that range, or convert the image first")
+            raise ValueError(f"{op} {param}={shown!r} does not fit the image field {name!r} ({dtype}, values "
+                             f"{low}..{top}); give a {param} in that range, or convert the image first")
 
 
 def fill_values(fill: float | Sequence[float], name: str) -> list[float]:

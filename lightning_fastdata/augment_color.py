@@ -27,6 +27,7 @@ from lightning_fastdata.augment_base import (
     keep_format,
     probability,
     refuse_bool_images,
+    refuse_unfit_fill,
     samples_view,
 )
 from lightning_fastdata.augment_resample import box_attempts, first_valid_box
@@ -168,12 +169,15 @@ def normalize(x: torch.Tensor, scale: Sequence[float], shift: Sequence[float], o
     xs, os_ = (samples_view(t, sd) for t in (x, out))
     n, lead, c = xs.shape[:3]
     xs, os_ = xs.reshape(n, lead, c, -1), os_.reshape(n, lead, c, -1)
+    # float16/bfloat16 output: constants and arithmetic in float32, one rounding at the write
+    # (constants rounded to bfloat16 first had errors up to 3x the output's own rounding).
+    work = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
     if x.device.type == "cpu":
         plane = xs.shape[-1]
-        sh, sc = _planes(shift, plane, x.device, out_dtype), _planes(scale, plane, x.device, out_dtype)
+        sh, sc = _planes(shift, plane, x.device, work), _planes(scale, plane, x.device, work)
     else:
-        sh = const(shift, x.device, out_dtype).view(c, 1)
-        sc = const(scale, x.device, out_dtype).view(c, 1)
+        sh = const(shift, x.device, work).view(c, 1)
+        sc = const(scale, x.device, work).view(c, 1)
     if os_.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
         torch.addcmul(sh, xs, sc, out=os_)  # a view of out: written in place
     else:  # strides no view can flatten: compute contiguous, then copy
@@ -286,7 +290,9 @@ class ColorJitter(BatchTransform):
                 if use_saturation:
                     out.addcmul_(gray, sat)
                 if use_contrast:
-                    mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
+                    # Accumulated in float64: a float32 sum's order (so its last bit) depends on
+                    # the batch size and the thread count, and a sample's output must not.
+                    mean = gray.mean(dim=(-3, -2, -1), keepdim=True, dtype=torch.float64).to(gray.dtype)
                     if host:
                         # Two per-sample factors broadcast along the innermost loop take addcmul off
                         # its vectorised path (5-10x slower on the CPU); a plane of the mean keeps it
@@ -360,6 +366,9 @@ class RandomErasing(BatchTransform):
         in_r = (rows >= top.view(-1, 1)) & (rows < (top + h).view(-1, 1))
         in_c = (cols >= left.view(-1, 1)) & (cols < (left + w).view(-1, 1))
         box = (in_r.view(n, hh, 1) & in_c.view(n, 1, ww) & erase.view(n, 1, 1)).view(n, 1, 1, hh, ww)
+        if self.value != "random":
+            # Cast to an integer image, -1 became 255 and 300 became 44 (uint8), silently.
+            refuse_unfit_fill(batch, self.value, "RandomErasing", self.value, truncated=True, param="value")
         out = {}
         for name in batch.names("image"):
             x = batch.fields[name]

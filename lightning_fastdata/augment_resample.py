@@ -273,18 +273,20 @@ class RandomResizedCrop(BatchTransform):
         return {"top": top.long(), "left": left.long(), "height": h.long(), "width": w.long()}
 
     def _fallback(self, height: int | torch.Tensor, width: int | torch.Tensor) -> tuple[Any, Any]:
-        """torchvision's box after 10 failed attempts: the central crop of clamped ratio (h, w)."""
+        """torchvision's box after 10 failed attempts: the central crop of clamped ratio (h, w),
+        at least one pixel on each side (a 1-pixel-wide image at ratio >= 2 rounds its height to
+        0, where torchvision fails and an empty box would resample to zeros)."""
         lo, hi = self.ratio
         if isinstance(height, int):
             in_ratio = width / height
             if in_ratio < lo:
-                return float(round(width / lo)), float(width)
+                return float(max(1, round(width / lo))), float(width)
             if in_ratio > hi:
-                return float(height), float(round(height * hi))
+                return float(height), float(max(1, round(height * hi)))
             return float(height), float(width)
         in_ratio = width / height
-        fh = torch.where(in_ratio < lo, torch.round(width / lo), height)
-        fw = torch.where(in_ratio > hi, torch.round(height * hi), width)
+        fh = torch.where(in_ratio < lo, torch.round(width / lo).clamp(min=1), height)
+        fw = torch.where(in_ratio > hi, torch.round(height * hi).clamp(min=1), width)
         return fh, fw
 
     def apply_batch(self, batch: Batch, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,

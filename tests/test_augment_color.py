@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
-from _augment_util import close, images, keys, ks_ok, tv_params, within_binomial
+from _augment_util import both_paths, close, images, keys, ks_ok, tv_params, within_binomial  # noqa: F401
 
 from lightning_fastdata import augment as A
 
@@ -175,3 +175,49 @@ def test_photometric_ops_refuse_parameters_that_are_not_finite(make, match):
     """A NaN std or an infinite mean was accepted and made every pixel NaN or inf."""
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_contrast_of_a_float_sample_does_not_depend_on_its_batch_with_several_threads():
+    """ColorJitter's contrast takes each sample's mean gray: summed in float32 over two threads,
+    its last bit depended on how many samples the batch had (up to 1.2e-7 on 200k pixels of a
+    224^2 sample); accumulated in float64, a sample alone and in a batch of 12 agree."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = images(12, shape=(3, 224, 224), dtype=torch.float32, seed=8)
+        op = A.ColorJitter(contrast=0.6)
+        k = keys(12, seed=3)
+        whole = op(x, k)
+        for i in (0, 5, 11):
+            assert torch.equal(op(x[i:i + 1], k.take(torch.tensor([i]))), whole[i:i + 1]), i
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("value", [-1, 300, [0, 128, 256], 256.0])
+def test_random_erasing_refuses_a_value_an_integer_image_cannot_hold(value):
+    """uint8 images erased with -1 got 255, with 300 got 44, silently (the cast wraps), where the
+    crops and resampling ops refuse such fills. 255.9 truncates to 255 and fits."""
+    x = images(4)
+    with pytest.raises(ValueError, match=r"RandomErasing value=.* does not fit the image field 'image' "
+                                         r"\(torch.uint8, values 0..255\); give a value in that range"):
+        A.RandomErasing(p=1.0, value=value)(x, keys(4))
+    out = A.RandomErasing(p=1.0, value=255.9)(x, keys(4))
+    assert out.dtype == torch.uint8 and int(out.max()) == 255
+
+
+@pytest.mark.usefixtures("both_paths")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_normalize_to_half_precision_rounds_once(dtype):
+    """Normalize(dtype=bfloat16) on uint8 computed with constants rounded to bfloat16: 72% of the
+    pixels differed from the float32 result rounded once, by up to 3x bfloat16's own rounding."""
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    x = images(3, seed=4)
+    out = A.Normalize(mean, std, dtype=dtype)(x)
+    ref = ((x.double() / 255 - torch.tensor(mean, dtype=torch.float64).view(3, 1, 1))
+           / torch.tensor(std, dtype=torch.float64).view(3, 1, 1))
+    exact32 = A.Normalize(mean, std, dtype="float32")(x)
+    assert out.dtype == getattr(torch, dtype)
+    assert torch.equal(out, exact32.to(out.dtype))
+    err = (out.double() - ref).abs().max()
+    assert err <= (ref.abs().max() * (2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11)).item()

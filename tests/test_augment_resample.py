@@ -391,3 +391,19 @@ def test_resampling_ops_fill_with_the_extremes_an_integer_image_holds():
     out = A.RandomAffine(0, translate=(0.5, 0.5), fill=0)(torch.full((4, 1, 9, 9), -32768, dtype=torch.int16),
                                                           keys(4))
     assert out.dtype == torch.int16 and int(out.min()) == -32768
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 1), (1, 5)])
+def test_random_resized_crop_fallback_box_is_at_least_one_pixel(shape, monkeypatch):
+    """A 1-pixel-wide image at a ratio of 3-4 rounds the central fallback box's height to 0:
+    the CPU path raised a reshape error and the accelerator path returned a black image (the
+    empty box resampled to zeros). The box is clamped to one pixel: both paths give the pixel."""
+    x = torch.full((2, 3, *shape), 200, dtype=torch.uint8)
+    op = A.RandomResizedCrop(4, scale=(0.5, 1.0), ratio=(3.0, 4.0) if shape[1] == 1 else (0.25, 1 / 3))
+    box = op.draw(x, keys(2))
+    assert bool((box["height"] >= 1).all() and (box["width"] >= 1).all())
+    outs = []
+    for host in (True, False):
+        monkeypatch.setattr(augment_base, "HOST_SHORTCUTS", host)
+        outs.append(op(x, keys(2)))
+    assert all(o.shape == (2, 3, 4, 4) and bool((o == 200).all()) for o in outs)
