@@ -153,8 +153,13 @@ def _check_complete(value: np.ndarray, where: str) -> None:
     """Refuse JPEG bytes cut short: no end-of-image marker near the end, and no full decode."""
     if b"\xff\xd9" in value[-_EOI_TAIL:].tobytes():
         return
-    try:  # trailing data after the marker is legal: decode once to tell it from a truncation
-        _decode(value)
+    _decode_named(value, where)  # trailing data after the marker is legal: decode to tell it from a truncation
+
+
+def _decode_named(value: np.ndarray, where: str) -> torch.Tensor:
+    """``_decode``, or a ValueError naming ``where`` when the bytes do not decode."""
+    try:
+        return _decode(value)
     except RuntimeError as e:
         # torchvision prefixes its C++ source location: keep the decoder's own words.
         why = re.sub(r"^.*?\.cpp:\d+, ", "", str(e).splitlines()[0]) if str(e) else type(e).__name__
@@ -185,7 +190,7 @@ def encode_jpeg_leaf(value: np.ndarray, quality: int, max_side: int | None,
         if capped_size(h, w, max_side) == (h, w):
             # Kept as they are; they decode to RGB (grayscale and CMYK files too), as recorded.
             return np.ascontiguousarray(value), (3, h, w)
-        image = _decode(value)
+        image = _decode_named(value, where)  # to resize: a corrupt middle fails here, named
     elif value.dtype == np.uint8 and value.ndim == 3 and value.shape[0] in (1, 3):
         image = torch.from_numpy(np.ascontiguousarray(value))
     else:

@@ -317,6 +317,23 @@ def test_jpeg_bytes_cut_short_are_refused_naming_the_sample(tmp_path, jpeg_files
     assert len(store) == 3  # trailing bytes after the end-of-image marker are kept, as read
 
 
+def test_jpeg_bytes_corrupt_in_the_middle_are_refused_naming_the_sample_when_resized(tmp_path, jpeg_files):
+    """Bytes with their end-of-image marker but a broken middle pass the completeness check; where
+    ``max_side`` makes the store decode them to resize, torchvision's raw RuntimeError ("decode_jpeg,
+    .../decode_jpeg.cpp:171, Unsupported marker type") stopped the build naming nothing."""
+    good = [torch.from_numpy(np.fromfile(p, dtype=np.uint8)) for p in jpeg_files[:3]]
+    broken = good[1].clone()
+    mid = broken.numel() // 2
+    broken[mid:mid + 40] = 0xFF
+    broken[mid + 40] = 0x0E  # fill bytes, then a marker no JPEG has
+    items = [good[0], broken, good[2]]
+    with pytest.raises(StoreError, match=r"sample 1, field '0' is JPEG bytes \(\d+ bytes\) that do not decode "
+                                         r"\(.*marker.*\): the file is truncated or corrupt"):
+        build_store(Images(items), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, max_side=8,
+                    progress=False)
+    assert not list((tmp_path / "cache").glob("train-*"))
+
+
 def test_a_jpeg_that_fails_mid_training_names_its_dataset_index(tmp_path, jpeg_files):
     dm = PhotoModule(jpeg_files, batch_size=4, cache_dir=str(tmp_path / "cache"), encode={"0": "jpeg"},
                      device="cpu", shuffle=False)
