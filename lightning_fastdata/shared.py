@@ -84,12 +84,21 @@ def worker_headroom(batch_nbytes: int, num_workers: int, prefetch_factor: int | 
     return MIN_HEADROOM + 2 * in_flight * max(0, batch_nbytes)
 
 
-def too_small_message(needed: int, free: int, store_nbytes: int) -> str:
-    """The error text for a ``/dev/shm`` that cannot hold the stores."""
+def too_small_message(needed: int, free: int, store_nbytes: int, refused: str | None = None) -> str:
+    """The error text for a ``/dev/shm`` that cannot hold the stores; ``refused``: the kernel's
+    reason when it refused space that ``/dev/shm`` reports free (a tmpfs size or inode limit, a
+    quota, a container's memory limit)."""
+    if refused is not None:
+        head = (f"lightning_fastdata: the kernel refused {refused}, although /dev/shm reports "
+                f"{fmt_bytes(free)} free: a size or inode limit of the tmpfs, a quota or the container's "
+                f"memory limit caps it below that. One shared copy of the stores needs {fmt_bytes(needed)} "
+                f"({fmt_bytes(store_nbytes)} of data plus {fmt_bytes(needed - store_nbytes)} of headroom). ")
+    else:
+        head = (f"lightning_fastdata: /dev/shm has {fmt_bytes(free)} free, one shared copy of the stores "
+                f"needs {fmt_bytes(needed)} ({fmt_bytes(store_nbytes)} of data plus "
+                f"{fmt_bytes(needed - store_nbytes)} of headroom for batches in flight). ")
     return (
-        f"lightning_fastdata: /dev/shm has {fmt_bytes(free)} free, one shared copy of the stores "
-        f"needs {fmt_bytes(needed)} ({fmt_bytes(store_nbytes)} of data plus "
-        f"{fmt_bytes(needed - store_nbytes)} for DataLoader batches in flight). Enlarge /dev/shm "
+        head + "Enlarge /dev/shm "
         f"(Docker: --shm-size={_suggest(needed)}; Kubernetes: an emptyDir volume with medium: "
         "Memory mounted at /dev/shm), or pass shared_memory='auto' to fall back to the "
         "memory-mapped disk cache, or shared_memory='off'"
@@ -439,10 +448,9 @@ def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, An
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-                raise SharedMemoryError(
-                    too_small_message(size + MIN_HEADROOM, shm_free_bytes(), store.nbytes)
-                    + f" [reserving {fmt_bytes(size)} for {name} failed: {e.strerror}]"
-                ) from e
+                raise SharedMemoryError(too_small_message(
+                    size + MIN_HEADROOM, shm_free_bytes(), store.nbytes,
+                    refused=f"{fmt_bytes(size)} for {name} ({e.strerror})")) from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, size)  # a filesystem without fallocate: size only, checked up front
