@@ -77,8 +77,14 @@ def _resample_taps(start: torch.Tensor, length: torch.Tensor, in_size: int, out_
     pos = xmin.unsqueeze(-1) + torch.arange(k, device=dev, dtype=dtype)  # (N, out, K), local
     wts = (1.0 - ((pos - center.unsqueeze(-1) + 0.5) * invscale.unsqueeze(-1)).abs()).clamp_(min=0)
     wts = torch.where(pos < xmax.unsqueeze(-1), wts, torch.zeros_like(wts))
-    # Only pixels past a sample's target (padding of a ragged batch) can sum to 0.
-    wts = wts / wts.sum(-1, keepdim=True).clamp_(min=1e-30)
+    # Only pixels past a sample's target (padding of a ragged batch) can sum to 0. Summed tap
+    # by tap, in order: a pixel's taps with weight come first and the rest add exact zeros, so
+    # the sum does not depend on K, which a ragged group's widest sample sets (``sum`` over the
+    # last dim pairs the terms by K: a sample's pixels moved by 1 with its batch).
+    total = wts[..., 0].clone()
+    for t in range(1, k):
+        total += wts[..., t]
+    wts = wts / total.unsqueeze(-1).clamp_(min=1e-30)
     index = (pos + start.to(dtype).view(-1, 1, 1)).clamp_(max=in_size - 1).long()  # zero-weight taps clamp
     return index, wts
 

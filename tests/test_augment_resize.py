@@ -108,3 +108,21 @@ def test_resize_and_center_crop_refuse_bad_arguments():
         A.CenterCrop((1, 2, 3))(torch.zeros(1, 1, 4, 4))
     with pytest.raises(ValueError, match="only the spatial size may vary"):
         A.CenterCrop(4)([torch.zeros(3, 8, 8), torch.zeros(1, 8, 8)])
+
+
+def test_resize_of_a_ragged_list_gives_a_sample_the_same_pixels_alone_as_in_its_batch(monkeypatch):
+    """On the accelerator path a ragged batch is resampled in groups whose widest sample sets the
+    number of taps; the weights' normaliser, summed over the taps by ``sum``, paired its terms by
+    that number, and a sample's pixels moved by 1 with the batch it came in (1 of 48 samples).
+    Summed tap by tap, in order, it does not depend on the group."""
+    from lightning_fastdata import augment_base
+
+    monkeypatch.setattr(augment_base, "HOST_SHORTCUTS", False)
+    g = torch.Generator().manual_seed(1)
+    sizes = [tuple(int(v) for v in torch.randint(1, 400, (2,), generator=g)) for _ in range(48)]
+    xs = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
+    op = A.Resize((40, 50))
+    whole = op(A.Batch({"image": xs}, {"image": "image"}, keys(48))).fields["image"]
+    for i in range(48):
+        alone = op(A.Batch({"image": [xs[i]]}, {"image": "image"}, keys(1, start=i))).fields["image"]
+        assert torch.equal(alone[0], whole[i]), (i, sizes[i])
