@@ -258,7 +258,7 @@ class Canon:
                 if gname in fn.__globals__:
                     parts.append(f"{gname}={self._global(fn.__globals__[gname], module, attrs)}")
             if owner is not None:
-                for aname in sorted(_attribute_names(fn.__code__)):
+                for aname in sorted(attrs):
                     parts.append(self._owner_attribute(owner, aname, module))
             digest = _sha(*parts)[:16]
         finally:
@@ -310,7 +310,7 @@ class Canon:
                 parts.append(self.value(const, False))
         return _sha(*parts)[:16]
 
-    def _global(self, value: Any, home: str, attrs: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+    def _global(self, value: Any, home: str, attrs: Iterable[str] = ()) -> str:
         """A global reached by name: the user's code is hashed, whichever module holds it (a
         helper in another file of the project too); installed code is named and versioned.
         A user's module reached by name (``import helpers``) is hashed through what the code
