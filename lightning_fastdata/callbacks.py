@@ -198,8 +198,9 @@ class FastDataCallback(Callback):
                 step = door.batches_that_stepped(trainer)
             except door.DoorClosed:
                 step = trainer.global_step  # the profiler has warned already
+            # At the epoch's last batch, where Lightning logs its own epoch metrics (one back).
             for logger in trainer.loggers:
-                logger.log_metrics(mem, step=step)
+                logger.log_metrics(mem, step=max(0, step - 1))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.profile:

@@ -295,13 +295,16 @@ class DataWaitProfiler(Callback):
             self._warn_once("accumulating", f"{e} Logging on every batch of an accumulation group.")
             return False
 
-    def _logging_step(self) -> int:
+    def _logging_step(self, epoch_end: bool = False) -> int:
+        """The step Lightning logs at now; ``epoch_end``: at a training epoch's end, the step of
+        its last batch, where Lightning logs its own epoch metrics (it steps back by one)."""
         trainer = self._trainer
         try:
-            return door.batches_that_stepped(trainer)
+            step = door.batches_that_stepped(trainer)
         except door.DoorClosed as e:
             self._warn_once("logging_step", f"{e} Logging with trainer.global_step instead.")
-            return int(trainer.global_step)  # type: ignore[union-attr]
+            step = int(trainer.global_step)  # type: ignore[union-attr]
+        return max(0, step - 1) if epoch_end else step
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -454,11 +457,11 @@ class DataWaitProfiler(Callback):
         stage.epochs.append(summary)
         metrics = {f"{prefix}{k}": v for k, v in summary.items() if k.endswith(("_mean", "_p50", "_p95", "_frac"))}
         if trainer.loggers:
-            self._log(metrics)
+            self._log(metrics, epoch_end=stage is self._train)
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def _log(self, metrics: dict[str, float], epoch_end: bool = False) -> None:
         trainer = self._trainer
-        step = self._logging_step()
+        step = self._logging_step(epoch_end)
         for logger in trainer.loggers:  # type: ignore[union-attr]
             logger.log_metrics(metrics, step=step)
 

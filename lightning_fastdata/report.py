@@ -152,8 +152,13 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
                 advice.append(f"{lead}; the store ({fmt_bytes(store)}) is more than {vf:.0%} of this "
                               f"{what}'s {fmt_bytes(total)}, so it stays on the host")
         nw = loader.get("num_workers")
+        # Workers fetch batches; a wait spent in the transfer (or in a batch hook after it) is
+        # none of theirs: worker advice only when the fetch itself is a real share of the step.
+        step_ms = summary.get("step_ms_mean") or 0.0
+        fetch = summary.get("fetch_ms_mean", wait_ms) / step_ms if step_ms > 0 else w
+        if not on_device and nw is not None and fetch >= DATA_ADVICE_FRAC:
+            advice += _worker_advice(f"{lead} (fetching batches {fetch:.0%})", nw, cores, plan is not None)
         if not on_device and nw is not None:
-            advice += _worker_advice(lead, nw, cores, plan is not None)
             if cuda and not loader.get("pin_memory"):
                 advice.append("set pin_memory=True: host-to-device copies come from pageable memory")
         if wait_ms > 0 and transfer_ms > 0.5 * wait_ms and strategy != "device":
@@ -163,12 +168,21 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
             advice.append(f"transfer and on-device augmentation take {transfer_ms:.1f} of the {wait_ms:.1f} ms "
                           f"wait: {fix}")
     if summary.get("verdict") == "compute-bound":
-        advice.append(f"compute-bound: compute is {c:.0%} of the step, data wait {w:.0%}; the input pipeline "
-                      "keeps up: speed now comes from the model (mixed precision, a larger batch, "
-                      "torch.compile)")
+        model = "mixed precision, a larger batch, torch.compile"
+        advice.append(f"compute-bound: compute is {c:.0%} of the step, data wait {w:.0%}; "
+                      + (f"the input pipeline keeps up: speed now comes from the model ({model})"
+                         if w < DATA_ADVICE_FRAC else
+                         f"speed comes first from the model ({model}), then from the data advice above"))
     if o >= OVERHEAD_ADVICE_FRAC:
-        advice.append(f"framework overhead is {o:.0%} of the step (logging, callbacks, loop bookkeeping): "
-                      "raise log_every_n_steps or the batch size")
+        if loader.get("num_workers") and not loader.get("persistent_workers"):
+            # Lightning restarts the workers at each epoch's start, outside the timed fetch.
+            advice.append(f"framework overhead is {o:.0%} of the step, and the DataLoader's "
+                          f"{loader['num_workers']} workers restart at every epoch (persistent_workers=False), "
+                          "which counts there: set persistent_workers=True; then raise log_every_n_steps or "
+                          "the batch size if it stays")
+        else:
+            advice.append(f"framework overhead is {o:.0%} of the step (logging, callbacks, loop bookkeeping): "
+                          "raise log_every_n_steps or the batch size")
     if idle is not None and idle >= DATA_ADVICE_FRAC and not host_bound:
         advice.append(f"the GPU is idle {idle:.0%} of the time between steps")
     return advice

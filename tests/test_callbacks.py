@@ -106,6 +106,8 @@ def test_plan_is_logged_once_and_memory_per_epoch(tmp_path, cache_dir):
     rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
     rss = [float(r["fastdata/host_rss_mb"]) for r in rows if r.get("fastdata/host_rss_mb")]
     assert len(rss) == 2 and all(v > 10 for v in rss)
+    # Each epoch's at its last batch (steps 3 and 7 of 4 per epoch), as Lightning's epoch metrics.
+    assert [int(r["step"]) for r in rows if r.get("fastdata/host_rss_mb")] == [3, 7]
     assert len(cb.memory) == 2
     rep = cb.report()
     assert rep["steps"] == 8 and rep["samples"] == 64
