@@ -179,9 +179,12 @@ class FastDataCallback(Callback):
                 obj.set_epoch(epoch)
                 self.set_epoch_calls.append((where, epoch))
         if self.seed_workers:
-            # Persistent workers pick the new epoch up at their next fetch.
-            for dl in _flatten(trainer.train_dataloader):
-                set_worker_epoch(dl, trainer.fit_loop.epoch_progress.current.processed)
+            # Persistent workers pick the new epoch up at their next fetch. Validation loaders
+            # too: without it a plain one's workers replayed epoch 0's draws every epoch, or,
+            # persistent, carried on with no tie to the epoch (a resumed run drew differently).
+            epoch = trainer.fit_loop.epoch_progress.current.processed
+            for dl in _flatten(trainer.train_dataloader) + _flatten(trainer.val_dataloaders):
+                set_worker_epoch(dl, epoch)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.profile:

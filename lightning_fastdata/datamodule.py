@@ -512,10 +512,13 @@ class OptimizedDataModule(L.LightningDataModule):
             graphed.clear()  # captured graphs hold device memory
 
     def on_exception(self, exception: BaseException) -> None:
-        """The Trainer stopped on an exception (it skips ``teardown`` then): stop the loaders'
-        background threads and worker processes now. They start again if iterated again."""
-        for loader in self._loaders.values():
-            _close(loader)
+        """The Trainer stopped on an exception (it skips ``teardown`` then): release what
+        ``teardown`` would, for every split: the loaders' background threads and worker
+        processes, the device copies and the shared-memory segments (each failed fit in a
+        long-lived process, a sweep's pruned trials say, kept a whole store in RAM). The next
+        ``setup`` places the stores again."""
+        for stage in _STAGE_SPLITS:
+            self.teardown(stage)
 
     # ------------------------------------------------------------------ loaders
 

@@ -31,6 +31,7 @@ import signal
 import stat
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,6 +312,9 @@ class Segment:
 
     def __post_init__(self) -> None:
         self.handle = _Handle(self)
+        # A backstop for a segment dropped without release() (a caller that never tears down):
+        # its descriptor would hold the whole store in RAM until the process ends.
+        self._closer = weakref.finalize(self, _close_fd, self.fd)
 
     @property
     def path(self) -> Path:
@@ -347,8 +351,12 @@ class Segment:
         """Close the descriptor; the pages go with the last view of :meth:`arrays`."""
         if not self.closed:
             self.closed = True
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
+            self._closer()  # closes once: the finalizer is spent
+
+
+def _close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _segment_name(token: str, split: str) -> str:

@@ -503,3 +503,57 @@ def test_a_second_fit_traces_its_own_window(tmp_path):
         computes = [e["dur"] for e in trace["traceEvents"] if e.get("name") == "compute"]
         assert computes == [pytest.approx(1e6 * COMPUTE * phase)] * 2, phase  # this fit's steps
         assert cb.report()["trace"] == {"path": str(path), "first_step": 1, "last_step": 2}
+
+
+class _UserRandom(torch.utils.data.Dataset):
+    """Samples drawn from the user's own randomness in the workers."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import random
+
+        return torch.tensor(random.random())
+
+
+class _ValRecorder(L.LightningModule):
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(1))
+        self.persistent, self.val = persistent, {}
+
+    def training_step(self, batch, batch_idx):
+        return self.p.sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.val.setdefault(self.current_epoch, []).extend(batch.tolist())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def _loader(self) -> DataLoader:
+        return DataLoader(_UserRandom(), batch_size=2, num_workers=1, persistent_workers=self.persistent)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+def test_validation_workers_of_a_plain_loader_are_seeded_per_epoch(tmp_path):
+    """Only the training loaders' workers learned each new epoch: a plain validation loader's
+    workers replayed epoch 0's draws every epoch, or, persistent, carried on with no tie to the
+    epoch (so a resumed run drew differently). Now each epoch's draws are its own, and the same
+    whether or not the workers persist."""
+    draws = {}
+    for persistent in (False, True):
+        model = _ValRecorder(persistent)
+        make_trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0,
+                     callbacks=[FastDataCallback(print_report=False)]).fit(model)
+        draws[persistent] = model.val
+        del model
+    assert draws[False] == draws[True]
+    epochs = [tuple(draws[False][e]) for e in range(3)]
+    assert len(set(epochs)) == 3, epochs
