@@ -529,6 +529,10 @@ class _HostBatches(Dataset):
     by the samples' indices) and sends back the prepared :class:`FastBatch`.
     """
 
+    #: It draws no random numbers (``seeding.randomness_repeats`` reads this): the augmentation
+    #: it may run is keyed by the samples, not by a generator.
+    draws_randomness = False
+
     def __init__(self, source: HostSource, spec: dict | None = None, names: list[str] | None = None,
                  prepare: Callable[[FastBatch], FastBatch] | None = None) -> None:
         self.arrays, self.spec, self.names, self.prepare = source.arrays, spec, names, prepare

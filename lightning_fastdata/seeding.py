@@ -362,6 +362,22 @@ def _held_generators(obj: Any, path: str, depth: int, seen: set[int]) -> list[st
     return found
 
 
+def _main_process_repeats(dl: Any) -> str | None:
+    """Under DDP with ``seed_everything`` and no workers: the dataset draws in each rank's main
+    process, from generators seeded alike on every rank (not the store's gather, which draws
+    nothing)."""
+    from lightning_fastdata import distributed as D
+
+    if (D.world_size() <= 1 or os.environ.get("PL_GLOBAL_SEED") is None
+            or not getattr(dl.dataset, "draws_randomness", True)):
+        return None
+    return ("under DDP with num_workers=0 the dataset runs in each rank's main process, whose random "
+            "generators seed_everything seeds alike on every rank: if it draws random numbers (a random "
+            "transform), every rank draws the same ones for its different samples; give the loader workers "
+            "(num_workers >= 1: lightning_fastdata seeds them per rank), or draw from a generator seeded "
+            "with the rank")
+
+
 def randomness_repeats(dataloader: Any) -> str | None:
     """Why ``dataloader``'s workers would draw repeated random numbers, or None when they would not.
 
@@ -377,8 +393,10 @@ def randomness_repeats(dataloader: Any) -> str | None:
         A sentence naming the cause and the fix, meant for a one-time warning; None if fine.
     """
     dl = _torch_loader(dataloader)
-    if dl is None or dl.num_workers == 0:
+    if dl is None:
         return None
+    if dl.num_workers == 0:
+        return _main_process_repeats(dl)
     held = _held_generators(dl.dataset, "dataset", depth=3, seen=set())
     if held:
         return (

@@ -256,6 +256,30 @@ def test_randomness_repeats_names_the_cause(monkeypatch):
     assert S.randomness_repeats(dl) is None
 
 
+def test_ddp_without_workers_warns_that_every_rank_draws_alike(monkeypatch, tmp_path):
+    """With num_workers=0 (what the planner picks for 2 ranks on 2 cores) the dataset draws in
+    each rank's main process, seeded alike on every rank by seed_everything: different samples
+    got the same random numbers on every rank, with no warning. The store's own gather (no
+    random draws) is not named."""
+    from _helpers import TinyDataModule
+
+    from lightning_fastdata import distributed as D
+
+    dl = DataLoader(Draws(4), num_workers=0)
+    assert S.randomness_repeats(dl) is None  # one process
+    monkeypatch.setattr(D, "world_size", lambda: 2)
+    assert S.randomness_repeats(dl) is None  # not seeded by seed_everything
+    monkeypatch.setenv("PL_GLOBAL_SEED", "42")
+    reason = S.randomness_repeats(dl)
+    assert reason and "num_workers=0" in reason and "every rank draws the same ones" in reason
+    dm = TinyDataModule(n=8, strategy="workers", num_workers=0, batch_size=4, cache_dir=str(tmp_path / "cache"))
+    dm.setup("fit")
+    try:
+        assert S.randomness_repeats(dm.train_dataloader()) is None  # batches gathered from the store
+    finally:
+        dm.teardown("fit")
+
+
 def test_derive_seed_streams_are_distinct_and_stable():
     keys = [(r, w, e) for r in range(4) for w in range(4) for e in range(4)]
     seeds = {S.derive_seed(1, stream="worker", rank=r, worker=w, epoch=e) for r, w, e in keys}
