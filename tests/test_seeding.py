@@ -266,6 +266,7 @@ def test_ddp_without_workers_warns_that_every_rank_draws_alike(monkeypatch, tmp_
     from lightning_fastdata import distributed as D
 
     dl = DataLoader(Draws(4), num_workers=0)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # an earlier test's seed_everything sets it
     assert S.randomness_repeats(dl) is None  # one process
     monkeypatch.setattr(D, "world_size", lambda: 2)
     assert S.randomness_repeats(dl) is None  # not seeded by seed_everything
