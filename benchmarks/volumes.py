@@ -369,12 +369,10 @@ def fastdata_side(images: np.ndarray, labels: np.ndarray, work: Path, args: argp
             shut()
         dm.teardown("fit")
 
-    held = sum(st.nbytes for st in dm.stores.values())
-    if cached_window:
-        return Side(FASTDATA_CACHED, f"float32 store on {device.type} (window cached), batched augmentation", 0,
-                    lambda: _endless(loader), finish, cache_s, held, close)
-    return Side(FASTDATA, f"int16 store on {device.type}, batched augmentation", 0,
-                lambda: _endless(loader), finish, cache_s, held, close)
+    name, store = ((FASTDATA_CACHED, f"float32 store on {device.type} (window cached)") if cached_window
+                   else (FASTDATA, f"int16 store on {device.type}"))
+    return Side(name, f"{store}, batched augmentation", 0, lambda: _endless(loader), finish, cache_s,
+                sum(st.nbytes for st in dm.stores.values()), close)
 
 
 # --------------------------------------------------------------------------- report

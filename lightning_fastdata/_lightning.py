@@ -164,10 +164,15 @@ def timing_sites(trainer: Any) -> TimingSites:
     return TimingSites(before, after, runs[0], runs[1], Site(val_loop, "run", _attr(val_loop, "run", "validation run")))
 
 
-def batches_that_stepped(trainer: Any) -> int:
-    """The step Lightning's loggers use (``log_every_n_steps`` counts it); Lightning 2.1.0 to 2.6.6."""
+def batches_that_stepped(trainer: Any, epoch_end: bool = False) -> int:
+    """The step Lightning's loggers use (``log_every_n_steps`` counts it); Lightning 2.1.0 to 2.6.6.
+
+    ``epoch_end``: in ``on_train_epoch_end``, the step of the epoch's last batch, where Lightning
+    logs its own epoch metrics (it steps back by one for them).
+    """
     epoch_loop = trainer.fit_loop.epoch_loop
-    return int(_attr(epoch_loop, "_batches_that_stepped", "the logging step"))
+    step = int(_attr(epoch_loop, "_batches_that_stepped", "the logging step"))
+    return max(0, step - 1) if epoch_end else step
 
 
 def accumulating(trainer: Any) -> bool:

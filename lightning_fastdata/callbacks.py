@@ -198,12 +198,11 @@ class FastDataCallback(Callback):
                 mem = {"fastdata/host_rss_mb": psutil.Process().memory_info().rss / 2**20}
             self.memory.append(mem)
             try:
-                step = door.batches_that_stepped(trainer)
+                step = door.batches_that_stepped(trainer, epoch_end=True)
             except door.DoorClosed:
                 step = trainer.global_step  # the profiler has warned already
-            # At the epoch's last batch, where Lightning logs its own epoch metrics (one back).
             for logger in trainer.loggers:
-                logger.log_metrics(mem, step=max(0, step - 1))
+                logger.log_metrics(mem, step=step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.profile:

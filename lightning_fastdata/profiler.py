@@ -296,15 +296,13 @@ class DataWaitProfiler(Callback):
             return False
 
     def _logging_step(self, epoch_end: bool = False) -> int:
-        """The step Lightning logs at now; ``epoch_end``: at a training epoch's end, the step of
-        its last batch, where Lightning logs its own epoch metrics (it steps back by one)."""
+        """The step Lightning logs at now (``epoch_end``: see :func:`door.batches_that_stepped`)."""
         trainer = self._trainer
         try:
-            step = door.batches_that_stepped(trainer)
+            return door.batches_that_stepped(trainer, epoch_end)
         except door.DoorClosed as e:
             self._warn_once("logging_step", f"{e} Logging with trainer.global_step instead.")
-            step = int(trainer.global_step)  # type: ignore[union-attr]
-        return max(0, step - 1) if epoch_end else step
+            return int(trainer.global_step)  # type: ignore[union-attr]
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

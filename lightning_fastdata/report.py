@@ -152,13 +152,12 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
                 advice.append(f"{lead}; the store ({fmt_bytes(store)}) is more than {vf:.0%} of this "
                               f"{what}'s {fmt_bytes(total)}, so it stays on the host")
         nw = loader.get("num_workers")
-        # Workers fetch batches; a wait spent in the transfer (or in a batch hook after it) is
-        # none of theirs: worker advice only when the fetch itself is a real share of the step.
-        step_ms = summary.get("step_ms_mean") or 0.0
-        fetch = summary.get("fetch_ms_mean", wait_ms) / step_ms if step_ms > 0 else w
-        if not on_device and nw is not None and fetch >= DATA_ADVICE_FRAC:
-            advice += _worker_advice(f"{lead} (fetching batches {fetch:.0%})", nw, cores, plan is not None)
         if not on_device and nw is not None:
+            # Workers fetch batches; a wait spent in the transfer (or in a batch hook after it) is
+            # none of theirs: worker advice only when the fetch itself is a real share of the step.
+            fetch = summary["fetch_ms_mean"] / summary["step_ms_mean"] if summary["step_ms_mean"] > 0 else 0.0
+            if fetch >= DATA_ADVICE_FRAC:
+                advice += _worker_advice(f"{lead} (fetching batches {fetch:.0%})", nw, cores, plan is not None)
             if cuda and not loader.get("pin_memory"):
                 advice.append("set pin_memory=True: host-to-device copies come from pageable memory")
         if wait_ms > 0 and transfer_ms > 0.5 * wait_ms and strategy != "device":
