@@ -69,19 +69,31 @@ class Patches:
 
     def __init__(self) -> None:
         self._sites: list[Site] = []
+        self._wrappers: dict[int, Callable[..., Any]] = {}  # a class's wrapper, by id of its site
 
     def wrap(self, site: Site, wrapper: Callable[..., Any]) -> None:
-        """Set ``wrapper`` on ``site.obj`` for this run (marked, so a second profiler can see it)."""
+        """Set ``wrapper`` on ``site.obj`` (an instance, or a class) for this run (marked, so a
+        second profiler can see it)."""
         # Never read obj.__dict__: on CPython 3.11+ that materialises the instance dict and slows
         # every later attribute read on these hot loop objects (measured: ~2% of a step).
         self._sites.append(site)
         wrapper._fastdata_wrapper = True  # type: ignore[attr-defined]
-        object.__setattr__(site.obj, site.name, wrapper)
+        if isinstance(site.obj, type):
+            self._wrappers[id(site)] = wrapper
+            setattr(site.obj, site.name, wrapper)
+        else:
+            object.__setattr__(site.obj, site.name, wrapper)
 
     def restore(self) -> None:
         """Undo every wrapper: a method of the object's class shows through again."""
         for site in reversed(self._sites):
-            restore(site)
+            if isinstance(site.obj, type):
+                # A class is shared by every Trainer in the process: set back only while it
+                # still holds this run's wrapper.
+                if getattr(site.obj, site.name) is self._wrappers.pop(id(site), None):
+                    setattr(site.obj, site.name, site.original)
+            else:
+                restore(site)
         self._sites.clear()
 
     def __bool__(self) -> bool:
@@ -215,10 +227,42 @@ def fetched_batch(loop: Any) -> Any:
     Lightning 2.1.0 to 2.6.6: ``loop._data_fetcher`` (None between runs), a
     ``_DataLoaderIterDataFetcher`` whose ``_batch`` is the batch handed to the step.
     """
-    fetcher = _attr(loop, "_data_fetcher", "the loop's data fetcher")
+    fetcher = loop_fetcher(loop)
     if fetcher is None:
         return None
     return _attr(fetcher, "_batch", "the batch a dataloader_iter step took")
+
+
+def prefetch_iter() -> Site:
+    """``_PrefetchDataFetcher.__iter__``: where a loader without a length has its first batch fetched.
+
+    Lightning 2.1.0 to 2.6.6: ``iter(fetcher)`` fetches ``prefetch_batches`` (1) batches
+    through the fetcher's ``_start_profiler``/``_stop_profiler``, and the loops bind their fetch
+    hooks to those only afterwards (``_FitLoop.setup_data`` for the first epoch and a reloaded
+    loader, ``_EvaluationLoop.reset`` for every run): their hooks never see that batch.
+    """
+    from lightning.pytorch.loops import fetchers
+
+    cls = _attr(fetchers, "_PrefetchDataFetcher", "the prefetching data fetcher")
+    if "__iter__" not in vars(cls):
+        raise DoorClosed(cls.__name__, "__iter__", "the first batch's prefetch")
+    return Site(cls, "__iter__", vars(cls)["__iter__"])
+
+
+def fetch_hooks(fetcher: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The hooks a data fetcher calls around ``next(iterator)``; Lightning 2.1.0 to 2.6.6."""
+    return (_attr(fetcher, "_start_profiler", "fetch start hook"),
+            _attr(fetcher, "_stop_profiler", "fetch end hook"))
+
+
+def bind_fetch_hooks(fetcher: Any, start: Callable[[], None], stop: Callable[[], None]) -> None:
+    """Set the hooks a data fetcher calls around ``next(iterator)`` (see :func:`fetch_hooks`)."""
+    fetcher._start_profiler, fetcher._stop_profiler = start, stop
+
+
+def loop_fetcher(loop: Any) -> Any:
+    """A loop's data fetcher (None between runs); Lightning 2.1.0 to 2.6.6: ``loop._data_fetcher``."""
+    return _attr(loop, "_data_fetcher", "the loop's data fetcher")
 
 
 def training_step_args(trainer: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:

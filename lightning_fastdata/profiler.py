@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,7 @@ from lightning_fastdata.step_timer import (
     StepHooks,
     make_after_fetch,
     make_before_fetch,
+    make_prefetch_iter,
     make_step,
     make_transfer,
 )
@@ -145,6 +147,11 @@ class DataWaitProfiler(Callback):
         self._replayed: dict[str, Any] | None = None
         self._tracer = StepTrace(trace, *self.trace_steps) if trace is not None else None
         self._patches = door.Patches()
+        # A loader without a length has its first batch fetched before the loop's fetch hooks are
+        # bound: (fetcher, start, seconds) by id(fetcher), until the stage's epoch starts
+        # (_take_early). Weak references: a sanity check's fetcher, never taken, is not kept
+        # alive (nor its loader's workers); a plain dict, so ddp_spawn can pickle the callback.
+        self._early: dict[int, tuple[weakref.ref, float, float]] = {}
         self._hooks: HookTimer | None = None  # the fallback timing, when the loop could not be wrapped
         self._context: dict[str, Any] = {}
         self._trainer: L.Trainer | None = None
@@ -198,6 +205,13 @@ class DataWaitProfiler(Callback):
         for before, after in zip(sites.before_fetch, sites.after_fetch, strict=True):
             self._patches.wrap(before, make_before_fetch(clock, hot, None if quiet else before.original))
             self._patches.wrap(after, make_after_fetch(clock, hot, None if quiet else after.original, span, FETCH))
+        try:
+            prefetch = door.prefetch_iter()
+        except door.DoorClosed as e:
+            self._warn_once("prefetch", f"{e} The first batch of a loader without a length goes untimed.")
+        else:
+            if not door.is_wrapped(prefetch.original):  # another Trainer's profiler times it already
+                self._patches.wrap(prefetch, make_prefetch_iter(prefetch.original, clock, self._prefetched))
         strategy = trainer.strategy
         transfer = door.site(strategy, "batch_to_device")
         self._patches.wrap(transfer, make_transfer(clock, hot, transfer.original, span, TRANSFER))
@@ -324,6 +338,7 @@ class DataWaitProfiler(Callback):
         self._trainer = trainer
         hot = self._hot
         self._train.new_epoch(self.clock())
+        self._take_early(self._train, trainer.fit_loop)
         hot.active = self._train
         hot.n = None
         hot.log_every = trainer.log_every_n_steps if trainer.loggers else 0
@@ -379,6 +394,44 @@ class DataWaitProfiler(Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._hot.active is self._val:
             self._val.new_epoch(self.clock())
+            self._take_early(self._val, _eval_loop(trainer))
+
+    def _prefetched(self, fetcher: Any, t0: float, t1: float) -> None:
+        """A batch fetched in ``iter(fetcher)``, before the loop bound its fetch hooks.
+
+        Inside a training epoch (a reloaded loader's fetcher is iterated a second time there) it is
+        the running step's fetch; before the epoch (or a validation run) starts, it waits in
+        ``_early`` for :meth:`_take_early`.
+        """
+        train = self._train
+        if self._hot.active is train and fetcher is door.loop_fetcher(self._trainer.fit_loop):  # type: ignore[union-attr]
+            train.fetch += t1 - t0
+            if self._tracer is not None:
+                self._tracer.span(FETCH, t0, t1)
+            return
+        early = self._early
+        for key in [k for k, (ref, _, _) in early.items() if ref() is None]:
+            del early[key]
+        ref, first, seconds = early.get(id(fetcher), (weakref.ref(fetcher), t0, 0.0))
+        early[id(fetcher)] = (ref, first, seconds + t1 - t0)
+
+    def _take_early(self, stage: Stage, loop: Any) -> None:
+        """Count the batch the loop's fetcher took before this epoch started (see ``make_prefetch_iter``)
+        as the first step's fetch: that step, and the epoch, start that much earlier."""
+        try:
+            fetcher = door.loop_fetcher(loop)
+        except door.DoorClosed:
+            return  # the prefetch was not wrapped either (same Lightning internals)
+        got = self._early.pop(id(fetcher), None) if fetcher is not None else None
+        if got is None or got[0]() is not fetcher or stage.prev_end is None or stage.epoch_start is None:
+            return
+        seconds = got[2]
+        stage.fetch += seconds
+        stage.prev_end -= seconds
+        stage.epoch_start -= seconds
+        if self._tracer is not None:
+            # Drawn just before the step's start, where it is counted (it ran during the set-up).
+            self._tracer.span(FETCH, stage.prev_end, stage.prev_end + seconds)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._hot.active is self._val:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_fastdata import _lightning as door
 from lightning_fastdata._util import batch_len
 
 # Columns of a per-step row.
@@ -161,6 +162,35 @@ def make_transfer(clock: Callable[[], float], hot: Hot, original: Callable[..., 
                 hot.n = batch_len(out)
         return out
     return transfer
+
+
+def make_prefetch_iter(original: Callable[[Any], Any], clock: Callable[[], float],
+                       fetched: Callable[[Any, float, float], None]) -> Callable[[Any], Any]:
+    """``_PrefetchDataFetcher.__iter__`` wrapped: the batch it fetches before the loop binds its
+    fetch hooks (a loader without a length, see :func:`~lightning_fastdata._lightning.prefetch_iter`)
+    is timed too, and handed to ``fetched(fetcher, start, end)``.
+    """
+    def __iter__(fetcher: Any) -> Any:
+        start0, stop0 = door.fetch_hooks(fetcher)
+        if door.is_wrapped(start0):  # already the loop's wrapped hook (a training epoch > 0): timed there
+            return original(fetcher)
+        t0 = 0.0
+
+        def start() -> None:
+            nonlocal t0
+            start0()
+            t0 = clock()
+
+        def stop() -> None:
+            fetched(fetcher, t0, clock())
+            stop0()
+
+        door.bind_fetch_hooks(fetcher, start, stop)
+        try:
+            return original(fetcher)
+        finally:
+            door.bind_fetch_hooks(fetcher, start0, stop0)
+    return __iter__
 
 
 class StepHooks:

@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 # Dyadic durations: their sums are exact in binary floating point, so tests compare with ==.
 FETCH = 2.0 ** -7
@@ -66,6 +66,16 @@ class Vectors(Dataset):
         return torch.randn(8, generator=g), i % 2
 
 
+class VectorStream(IterableDataset):
+    """:class:`Vectors` as a stream: a loader without a length (Lightning prefetches its first batch)."""
+
+    def __init__(self, n: int = 32) -> None:
+        self.vectors = Vectors(n)
+
+    def __iter__(self):
+        return (self.vectors[i] for i in range(len(self.vectors)))
+
+
 class SpendingCollate:
     """``default_collate`` that first spends a known time (runs in the main process: num_workers=0)."""
 
@@ -77,9 +87,11 @@ class SpendingCollate:
         return default_collate(items)
 
 
-def loader(n: int, batch_size: int, spend: Spend) -> DataLoader:
-    """A main-process DataLoader whose every batch costs ``spend``."""
-    return DataLoader(Vectors(n), batch_size=batch_size, shuffle=False, collate_fn=SpendingCollate(spend))
+def loader(n: int, batch_size: int, spend: Spend, stream: bool = False) -> DataLoader:
+    """A main-process DataLoader whose every batch costs ``spend`` (``stream``: over an IterableDataset)."""
+    data = VectorStream(n) if stream else Vectors(n)
+    return DataLoader(data, batch_size=batch_size, shuffle=False if not stream else None,
+                      collate_fn=SpendingCollate(spend))
 
 
 class SpendingModel(L.LightningModule):

@@ -16,6 +16,7 @@ from _helpers import TinyModel
 from _helpers import trainer as make_trainer
 from _timing import Spend, SpendingModel, Vectors, loader
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch.utils.data import DataLoader
@@ -88,6 +89,39 @@ def test_fetched_batch_is_none_between_runs_and_names_a_moved_fetcher(tmp_path):
         door.fetched_batch(Loop())
     with pytest.raises(door.DoorClosed, match=r"_data_fetcher"):
         door.fetched_batch(object())
+
+
+def test_prefetch_iter_is_the_prefetching_fetchers_own_and_names_a_move(monkeypatch):
+    site = door.prefetch_iter()
+    assert site.obj is _PrefetchDataFetcher and site.original is vars(_PrefetchDataFetcher)["__iter__"]
+    fetcher = _PrefetchDataFetcher()
+    start, stop = door.fetch_hooks(fetcher)
+    door.bind_fetch_hooks(fetcher, stop, start)
+    assert door.fetch_hooks(fetcher) == (stop, start)
+    monkeypatch.delattr(_PrefetchDataFetcher, "__iter__")
+    with pytest.raises(door.DoorClosed, match=rf"_PrefetchDataFetcher\.__iter__ \(the first batch's prefetch\) "
+                                              rf"is missing in {VERSION}"):
+        door.prefetch_iter()
+
+
+def test_patches_set_a_class_attribute_back_only_while_it_holds_their_wrapper():
+    class Fetcher:
+        def __iter__(self):
+            return iter([1])
+
+    site, patches = door.Site(Fetcher, "__iter__", vars(Fetcher)["__iter__"]), door.Patches()
+    patches.wrap(site, lambda self: iter([2]))
+    assert list(Fetcher()) == [2]
+    patches.restore()
+    assert list(Fetcher()) == [1] and vars(Fetcher)["__iter__"] is site.original
+    patches.wrap(site, lambda self: iter([2]))
+
+    def later(self):  # another run wrapped the class after this one
+        return iter([3])
+
+    Fetcher.__iter__ = later
+    patches.restore()
+    assert vars(Fetcher)["__iter__"] is later
 
 
 def test_cli_parser_is_the_subcommand_parser(tmp_path, monkeypatch):

@@ -32,14 +32,14 @@ GB = 10**9
 
 
 def _fit_fake(tmp_path, fetch=FETCH, transfer=TRANSFER, compute=COMPUTE, overhead=OVERHEAD, epochs=2,
-              val=True, **trainer_kwargs):
+              val=True, stream=False, **trainer_kwargs):
     clock = FakeClock()
     prof = DataWaitProfiler(clock=clock, print_report=False)
     model = SpendingModel(Spend(compute, clock), Spend(transfer, clock), Spend(COMPUTE / 2, clock))
-    val_loader = loader(8, 4, Spend(FETCH / 2, clock)) if val else None
+    val_loader = loader(8, 4, Spend(FETCH / 2, clock), stream) if val else None
     trainer_kwargs.setdefault("callbacks", [SpendBeforeBatch(Spend(overhead, clock)), prof])
     trainer = make_trainer(tmp_path, max_epochs=epochs, **trainer_kwargs)
-    trainer.fit(model, loader(24, 4, Spend(fetch, clock)), val_loader)
+    trainer.fit(model, loader(24, 4, Spend(fetch, clock), stream), val_loader)
     return prof, trainer, model
 
 
@@ -63,6 +63,40 @@ def test_fake_clock_gives_exact_figures(tmp_path):
             assert train[f"{name}_ms_{q}"] == pytest.approx(1e3 * value, abs=1e-9)
     assert rep["epoch_time_s"] == 6 * (wait + COMPUTE + OVERHEAD) + 2 * (FETCH / 2 + TRANSFER + COMPUTE / 2)
     assert "gpu_idle_frac" not in train  # CPU run
+
+
+@pytest.mark.parametrize("reload", [0, 1])
+def test_a_loader_without_a_length_has_its_first_batch_timed(tmp_path, reload):
+    # Lightning fetches the first batch of such a loader while it sets the loader up, before
+    # its loops bind the fetch hooks: epoch 0 and every validation run (every epoch when the
+    # loaders are reloaded). Those waits count as the first step's.
+    prof, _, _ = _fit_fake(tmp_path, stream=True, reload_dataloaders_every_n_epochs=reload)
+    rep = prof.report()
+    steps = 2 * 6
+    # A reloaded training loader is iterated twice by Lightning at epoch 1 (when it is set up,
+    # and again at the epoch loop's start): its first batch is fetched twice, a real wait.
+    extra = FETCH if reload else 0.0
+    assert rep["steps"] == steps and rep["samples"] == 2 * 24
+    assert rep["data_wait_s"] == steps * (FETCH + TRANSFER) + extra
+    assert rep["step_s"] == steps * (FETCH + TRANSFER + COMPUTE + OVERHEAD) + extra
+    assert rep["overhead_s"] == steps * OVERHEAD
+    val_run = 2 * (FETCH / 2 + TRANSFER + COMPUTE / 2)
+    assert rep["epoch_time_s"] == 6 * (FETCH + TRANSFER + COMPUTE + OVERHEAD) + val_run + extra
+    val = rep["stages"]["validate"]
+    assert val["steps"] == 4 and val["data_wait_s"] == 4 * (FETCH / 2 + TRANSFER)
+    assert [e["epoch_time_s"] for e in val["epochs"]] == [val_run] * 2
+
+
+def test_validate_alone_times_the_first_batch_of_a_loader_without_a_length(tmp_path):
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    model = SpendingModel(Spend(COMPUTE, clock), Spend(TRANSFER, clock), Spend(COMPUTE, clock))
+    trainer = make_trainer(tmp_path, callbacks=[prof])
+    trainer.validate(model, loader(12, 4, Spend(FETCH, clock), stream=True), verbose=False)
+    val = prof.report()["stages"]["validate"]
+    assert val["steps"] == 3 and val["data_wait_s"] == 3 * (FETCH + TRANSFER)
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    assert not door.is_wrapped(_PrefetchDataFetcher.__iter__)  # the class is restored
 
 
 def test_validation_steps_are_timed_and_sanity_check_is_not(tmp_path):
