@@ -222,6 +222,11 @@ class OptimizedDataModule(L.LightningDataModule):
                 isinstance(r, str) for r in ragged)):
             raise ValueError(f"ragged must be a list of field names, got {ragged!r}")
         encode = check_settings(encode, jpeg_quality, max_side)
+        masks = [name for name, kind in (field_kinds or {}).items() if kind == "mask" and name in encode]
+        if masks:
+            raise ValueError(f"encode={encode!r} names the mask field {masks[0]!r} (field_kinds): JPEG is lossy and "
+                             "would change its labels (and max_side would blend them); store masks as they are, "
+                             f"naming the field in ragged=['{masks[0]}'] if its size varies")
         if not store and (ragged or encode):
             raise ValueError(f"ragged={ragged!r} and encode={encode!r} describe how fields are stored; they need "
                              "store=True")

@@ -32,6 +32,9 @@ import torch
 
 #: The encodings ``encode=`` accepts.
 ENCODINGS = ("jpeg",)
+#: The longest side libjpeg encodes or decodes (its JPEG_MAX_DIMENSION); torchvision's encoder
+#: crashes the process (SIGSEGV) on a wider image instead of raising.
+JPEG_MAX_SIDE = 65500
 #: The first two bytes of every JPEG stream (start of image).
 SOI = (0xFF, 0xD8)
 # Start-of-frame markers (C0-CF without DHT C4, JPG C8 and DAC CC): they carry H, W, C.
@@ -63,8 +66,10 @@ def check_settings(encode: object, jpeg_quality: object, max_side: object) -> di
             raise ValueError(f"encode[{name!r}] is {how!r}; a field can be encoded as {ENCODINGS}")
     if isinstance(jpeg_quality, bool) or not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
         raise ValueError(f"jpeg_quality must be an int in [1, 100], got {jpeg_quality!r}")
-    if max_side is not None and (isinstance(max_side, bool) or not isinstance(max_side, int) or max_side < 1):
-        raise ValueError(f"max_side must be None or an int >= 1 (pixels of the longest side), got {max_side!r}")
+    if max_side is not None and (isinstance(max_side, bool) or not isinstance(max_side, int)
+                                 or not 1 <= max_side <= JPEG_MAX_SIDE):
+        raise ValueError(f"max_side must be None or an int in [1, {JPEG_MAX_SIDE}] (pixels of the longest side; "
+                         f"JPEG holds at most {JPEG_MAX_SIDE}), got {max_side!r}")
     return dict(encode)
 
 
@@ -187,6 +192,7 @@ def encode_jpeg_leaf(value: np.ndarray, quality: int, max_side: int | None,
             raise ValueError(f"{where} starts like JPEG bytes but {e}; re-encode the file, or return it "
                              "decoded (uint8 C, H, W) from static_transform") from None
         _check_complete(value, where)
+        _check_side(h, w, max_side, where)
         if capped_size(h, w, max_side) == (h, w):
             # Kept as they are; they decode to RGB (grayscale and CMYK files too), as recorded.
             return np.ascontiguousarray(value), (3, h, w)
@@ -199,15 +205,24 @@ def encode_jpeg_leaf(value: np.ndarray, quality: int, max_side: int | None,
             "image with 1 or 3 channels, or JPEG bytes (a uint8 1-D tensor starting with FF D8, as "
             "torchvision.io.read_file returns); convert it in static_transform, or do not encode this field"
         )
-    image = _resize(image, max_side).contiguous()
     if min(image.shape[-2:]) < 1:
         raise ValueError(f"{where} is an empty image {tuple(image.shape)}; JPEG needs at least 1x1 pixels")
+    _check_side(int(image.shape[-2]), int(image.shape[-1]), max_side, where)
+    image = _resize(image, max_side).contiguous()
     from torchvision.io import encode_jpeg
 
     with quiet_codec_warnings():
         data = encode_jpeg(image, quality=quality)
     c, h, w = (int(s) for s in image.shape)
     return data.numpy(), (c, h, w)
+
+
+def _check_side(h: int, w: int, max_side: int | None, where: str) -> None:
+    """Refuse an image whose stored side would exceed what JPEG holds (checked before the encoder,
+    which crashes the process on one)."""
+    if max(capped_size(h, w, max_side)) > JPEG_MAX_SIDE:
+        raise ValueError(f"{where} is {h}x{w} pixels; JPEG holds at most {JPEG_MAX_SIDE} per side: set max_side "
+                         f"(<= {JPEG_MAX_SIDE}) to shrink it at store time, or do not encode this field")
 
 
 def decoded_nbytes(shapes: np.ndarray) -> int:

@@ -133,6 +133,20 @@ class Layout:
                         "static_transform (a mask with nearest interpolation) and set max_side=None"
                     )
 
+    def unscaled_note(self, infos: Sequence[FieldInfo]) -> str | None:
+        """A warning when ``max_side`` may shrink encoded images while other array fields are kept
+        as they are: pixel coordinates in them (boxes, keypoints) would no longer match."""
+        if self.max_side is None or not self.encode:
+            return None
+        encoded = [i.name for i in infos if i.encoding is not None]
+        kept = [i.name for i in infos if i.encoding is None and (i.ragged or len(i.shape) >= 1)]
+        if not kept:
+            return None
+        return (f"lightning_fastdata: max_side={self.max_side} shrinks the encoded field(s) {encoded} of larger "
+                f"samples, but the field(s) {kept} are stored as they are: if they hold pixel coordinates (boxes, "
+                "keypoints), they no longer match the stored image. Scale them in static_transform (resize the "
+                "image there too and set max_side=None), or hold coordinates relative to the image size (0 to 1).")
+
     def stored(self, info: FieldInfo, value: np.ndarray, index: int) -> tuple[np.ndarray, tuple[int, ...] | None]:
         """A sample's value as stored, and its decoded shape when encoded (``None`` otherwise)."""
         if info.encoding is None:

@@ -697,6 +697,9 @@ def build_store(
         else:
             _warn_what_changed(root, name, final, fp, warn)
         _check_deterministic(dataset, transform, probe, warn)
+        note = layout.unscaled_note(probe.infos)
+        if note is not None:
+            warn(note)
         _build(dataset, transform, root, final, name, n, namespace, fp, probe, num_workers, progress,
                parallel_threshold_s, layout)
     return open_store(final, verify=False, expect_fingerprint=digest)

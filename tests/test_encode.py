@@ -334,6 +334,64 @@ def test_jpeg_bytes_corrupt_in_the_middle_are_refused_naming_the_sample_when_res
     assert not list((tmp_path / "cache").glob("train-*"))
 
 
+def test_an_image_wider_than_jpeg_holds_is_refused_naming_the_sample(tmp_path):
+    """torchvision's encoder crashed the process (SIGSEGV, no message) on a side over 65,500
+    pixels, leaving the build's temporary directory behind."""
+    items = [photo(i, 8, 12) for i in range(6)]
+    items[4] = torch.full((3, 2, 70000), 100, dtype=torch.uint8)  # a panorama
+    with pytest.raises(StoreError, match=r"sample 4, field '0' is 2x70000 pixels; JPEG holds at most 65500 per "
+                                         r"side: set max_side \(<= 65500\) to shrink it at store time, or do not "
+                                         r"encode this field"):
+        build_store(Images(items), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False)
+    assert not list((tmp_path / "cache").rglob("*/*"))
+    store = build_store(Images(items), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, max_side=1024,
+                        progress=False)
+    assert tuple(store.fields[0].decoded[4]) == (3, 1, 1024)
+    with pytest.raises(ValueError, match=r"max_side must be None or an int in \[1, 65500\] .* got 70000"):
+        OptimizedDataModule(encode={"image": "jpeg"}, max_side=70000)
+
+
+def test_an_empty_image_is_refused_naming_the_sample_also_with_max_side(tmp_path):
+    items = [photo(i, 8, 12) for i in range(6)]
+    items[3] = torch.zeros((3, 0, 500), dtype=torch.uint8)
+    for max_side in (None, 256):  # with max_side, the resize failed first with a bare reshape error
+        with pytest.raises(StoreError, match=r"sample 3, field '0' is an empty image \(3, 0, 500\); JPEG needs"):
+            build_store(Images(items), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, max_side=max_side,
+                        progress=False)
+
+
+def test_a_mask_field_is_never_encoded():
+    # JPEG is lossy: a stored mask came back with labels it never had (257 of 5,120 pixels changed).
+    with pytest.raises(ValueError, match=r"encode=\{'image': 'jpeg', 'mask': 'jpeg'\} names the mask field 'mask' "
+                                         r"\(field_kinds\): JPEG is lossy .* ragged=\['mask'\]"):
+        OptimizedDataModule(encode={"image": "jpeg", "mask": "jpeg"}, field_kinds={"image": "image", "mask": "mask"})
+
+
+class Detection(torch.utils.data.Dataset):
+    """An image and its boxes in pixels (sample 2 larger than the rest)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        image = photo(i, 20, 30) if i != 2 else photo(i, 60, 80)
+        return {"image": image, "boxes": torch.tensor([[2.0, 2.0, 10.0, 12.0]] * (i + 1)), "label": i}
+
+
+def test_max_side_warns_that_other_array_fields_are_not_scaled(tmp_path):
+    # The store shrinks the image only: boxes in pixels silently stopped matching it.
+    said: list[str] = []
+    kw = dict(encode={"image": "jpeg"}, ragged=["boxes"], progress=False, warn=said.append)
+    build_store(Detection(), lambda s: s, tmp_path / "a", **kw)  # no max_side: nothing shrinks
+    assert said == []
+    build_store(Detection(), lambda s: s, tmp_path / "b", max_side=40, **kw)
+    assert len(said) == 1 and said[0].startswith(
+        "lightning_fastdata: max_side=40 shrinks the encoded field(s) ['image'] of larger samples, but the field(s) "
+        "['boxes'] are stored as they are: if they hold pixel coordinates")
+    build_store(Detection(), lambda s: s, tmp_path / "b", max_side=40, **kw)  # reused: said once, at the build
+    assert len(said) == 1
+
+
 def test_a_jpeg_that_fails_mid_training_names_its_dataset_index(tmp_path, jpeg_files):
     dm = PhotoModule(jpeg_files, batch_size=4, cache_dir=str(tmp_path / "cache"), encode={"0": "jpeg"},
                      device="cpu", shuffle=False)

@@ -179,7 +179,7 @@ def test_ragged_and_encode_are_checked_at_construction():
         RaggedModule(encode={"img": "png"})
     with pytest.raises(ValueError, match="jpeg_quality must be an int in \\[1, 100\\], got 0"):
         RaggedModule(jpeg_quality=0)
-    with pytest.raises(ValueError, match="max_side must be None or an int >= 1"):
+    with pytest.raises(ValueError, match=r"max_side must be None or an int in \[1, 65500\]"):
         RaggedModule(max_side=-3)
     with pytest.raises(ValueError, match="need store=True"):
         RaggedModule(ragged=["img"], store=False)
