@@ -234,7 +234,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.strategy = strategy
         self.vram_fraction = float(vram_fraction)
-        self.cache_dir = cache_dir or default_cache_dir()
+        self.cache_dir = os.path.expanduser(os.fspath(cache_dir or default_cache_dir()))  # YAML configs write ~
         self.cache_key = cache_key
         self.shared_memory = shared_memory
         self.num_workers = num_workers

@@ -175,9 +175,21 @@ def estimate_nbytes(n: int, infos: Sequence[FieldInfo]) -> int:
     return sum(_field_nbytes(n, i) for i in infos) + (64 << 10)
 
 
-def no_room(name: str, root: Path, free: int, n: int, infos: Sequence[FieldInfo]) -> StoreError:
+def no_room(name: str, root: Path, free: int, n: int, infos: Sequence[FieldInfo],
+            written: int | None = None) -> StoreError:
+    """The error for a cache that does not fit: refused up front, or (``written``: the bytes the
+    build had written) the disk filled up while writing, beyond the estimate."""
     row = sum(i.row_nbytes for i in infos)
     per = "on average, estimated from the probe samples" if any(i.ragged for i in infos) else ""
+    if written is not None:
+        why = (" (the other samples are larger than the probe samples, from which it was estimated)" if per
+               else "")
+        return StoreError(
+            f"the disk of cache_dir {root} filled up while caching '{name}', after {fmt_bytes(written)} written "
+            f"of an estimated {fmt_bytes(estimate_nbytes(n, infos))}{why}; {fmt_bytes(free)} were free at the "
+            "start. Set cache_dir to a filesystem with more room (or free space there); nothing of this build "
+            "is kept"
+        )
     return StoreError(
         f"caching '{name}' needs {fmt_bytes(estimate_nbytes(n, infos))} ({n} samples x {fmt_bytes(row)}"
         f"{', ' + per if per else ''}) in cache_dir {root}, which has {fmt_bytes(free)} free; set cache_dir to a "

@@ -138,9 +138,12 @@ class Canon:
 
     def __init__(self) -> None:
         self.code: dict[str, str] = {}
-        self._digests: dict[int, str] = {}
+        self._digests: dict[Any, str] = {}
         self._active: set[int] = set()
         self._keep: list[Any] = []  # keeps hashed objects alive so their ids are not reused
+        # The object whose bound method is being hashed (``dm.static_transform``): its own
+        # attributes that ``self.<name>`` reads (a helper object set in __init__) are reached too.
+        self._instance: Any = None
 
     # ----------------------------------------------------------------- values
 
@@ -216,7 +219,13 @@ class Canon:
         """Digest of a function, bound method, partial or callable object (registered in :attr:`code`)."""
         if isinstance(fn, types.MethodType):
             owner = fn.__self__ if not isinstance(fn.__self__, type) else None
-            return self.function(fn.__func__, owner=type(owner) if owner is not None else fn.__self__)
+            if owner is None:
+                return self.function(fn.__func__, owner=fn.__self__)
+            outer, self._instance = self._instance, owner
+            try:
+                return self.function(fn.__func__, owner=type(owner))
+            finally:
+                self._instance = outer
         if isinstance(fn, functools.partial):
             args = self.value(fn.args, False) + self.value(fn.keywords, True)
             return _sha("partial", self.callable(fn.func), args)[:16]
@@ -238,8 +247,10 @@ class Canon:
         if _is_library(module):
             return f"{_qualname(fn)}[{_version(module)}]"
         key = id(fn)
-        if key in self._digests:
-            return self._digests[key]
+        # A method reads its instance's attributes: its digest is per (function, instance).
+        cached = (key, id(self._instance)) if owner is not None and self._instance is not None else key
+        if cached in self._digests:
+            return self._digests[cached]
         name = _qualname(fn)
         if key in self._active:
             return f"recursive:{name}"
@@ -263,7 +274,7 @@ class Canon:
             digest = _sha(*parts)[:16]
         finally:
             self._active.discard(key)
-        self._digests[key] = digest
+        self._digests[cached] = digest
         self.code[name] = digest
         return digest
 
@@ -330,13 +341,29 @@ class Canon:
         try:
             value = next(vars(c)[name] for c in owner.__mro__ if name in vars(c))
         except StopIteration:
-            return f".{name}"
+            return self._instance_attribute(owner, name)
         for fn in _functions_of(value):
             if fn.__module__ == home:
                 return f".{name}:{self.function(fn, owner=owner)}"
             return f".{name}:{_qualname(fn)}"
         if isinstance(value, _ATOMS + (tuple, frozenset)):
             return f".{name}={self.value(value, False)}"
+        return f".{name}"
+
+
+    def _instance_attribute(self, owner: type, name: str) -> str:
+        """``self.<name>`` set on the instance (not its class): a function's code, or the code
+        of a project class's object (a helper set in ``__init__``; its state does not enter)."""
+        instance = self._instance
+        state = getattr(instance, "__dict__", None) if isinstance(instance, owner) else None
+        if not state or name not in state:
+            return f".{name}"
+        value = state[name]
+        if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            return f".{name}:{self.callable(value)}"
+        cls = type(value)
+        if not _is_library(cls.__module__):
+            return f".{name}:{self.klass(cls)}"
         return f".{name}"
 
 
@@ -543,18 +570,43 @@ def _source_state(ds: Any) -> dict[str, Any]:
     state = _state(ds) or {}
     out = {k: state[k] for k in SOURCE_ATTRIBUTES if k in state}
     for k in SOURCE_ARRAYS:
-        if k in state and _samples_in_memory(state[k]):
-            out[k] = state[k]
+        if k in state:
+            held = _samples_in_memory(state[k])
+            if held is not None:
+                out[k] = held
     return out
 
 
-def _samples_in_memory(value: Any) -> bool:
-    """An array or tensor, a tuple or list of them, or a list of plain values (labels)."""
+#: numpy kinds of values that are samples' data: booleans, numbers, strings.
+_DATA_KINDS = frozenset("biufcUS")
+
+
+def _samples_in_memory(value: Any) -> Any:
+    """``value`` as it enters the fingerprint when it holds samples in memory, else None: an
+    array or tensor, a tuple or list of them, or of plain values (labels); numpy scalars and
+    nested lists (multi-label targets) as numpy arrays."""
     if _as_array(value) is not None:
-        return True
-    if isinstance(value, (tuple, list)) and value:
-        return all(_as_array(v) is not None for v in value) or _plain(value)
-    return False
+        return value
+    if not isinstance(value, (tuple, list)) or not value:
+        return None
+    if all(_as_array(v) is not None for v in value) or _plain(value):
+        return value
+    try:
+        whole = np.asarray(value)
+    except (ValueError, TypeError):  # ragged: lists of different lengths
+        whole = None
+    if whole is not None:
+        return whole if whole.dtype.kind in _DATA_KINDS else None
+    parts = []
+    for v in value:
+        try:
+            part = np.asarray(v)
+        except (ValueError, TypeError):
+            return None
+        if part.dtype.kind not in _DATA_KINDS:
+            return None
+        parts.append(part)
+    return parts
 
 
 def leaf_digests(leaves: Sequence[tuple[str, np.ndarray]]) -> list[str]:

@@ -287,14 +287,28 @@ def _refuse_symlink(path: Path, what: str) -> None:
         raise CacheInvalidError(f"{what} {path} is a symbolic link; refusing to follow it. Remove it.")
 
 
+def _written(tmp: Path) -> int:
+    """Bytes a build's temporary directory holds on disk now (for the full-disk message)."""
+    total = 0
+    for f in tmp.iterdir():
+        with contextlib.suppress(OSError):
+            total += f.lstat().st_blocks * 512
+    return total
+
+
 def ensure_cache_dir(cache_dir: str | os.PathLike) -> Path:
-    """Create ``cache_dir`` owner-only if missing; refuse a symlink or a non-directory."""
-    path = Path(cache_dir)
+    """Create ``cache_dir`` owner-only if missing (``~`` expanded); refuse a symlink, a
+    non-directory, or a directory this process cannot write."""
+    path = Path(os.path.expanduser(os.fspath(cache_dir)))
     if path.is_symlink():
         raise StoreError(f"cache_dir {path} is a symbolic link; pass the real directory instead")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not path.is_dir():
-        raise StoreError(f"cache_dir {path} exists and is not a directory")
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"cache_dir {path} exists and is not a directory; set cache_dir to a directory")
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cache_dir {path} cannot be created ({e.strerror or e}); set cache_dir to a writable "
+                         "directory") from e
     return path
 
 
@@ -680,6 +694,10 @@ def build_store(
         except CacheInvalidError as e:
             reason = e
     what = f"the '{name}' cache {final}"
+    if not os.access(root, os.W_OK):
+        raise StoreError(f"{what} must be built ({reason or 'there is none yet'}), but {root} is not writable "
+                         "(a read-only filesystem, or another user's directory); set cache_dir to a writable "
+                         "directory")
     with _build_lock(lock_path(final), what, lock_timeout_s):
         if final.exists():  # another process may have built or repaired it while we waited
             try:
@@ -800,14 +818,14 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
             min(cores, 8) if probe.per_sample_s * n > parallel_threshold_s and cores > 1 else 0
         )
         chunks = fill(dataset, transform, tmp, infos, n, layout, workers, f"fastdata: caching '{name}'", progress,
-                       lambda: no_room(name, root, free, n, infos))
+                       lambda: no_room(name, root, free, n, infos, written=_written(tmp)))
         try:
             for k, info in enumerate(infos):
                 if info.ragged:
                     join_ragged(tmp, k, info, chunks)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise no_room(name, root, free, n, infos) from e
+                raise no_room(name, root, free, n, infos, written=_written(tmp)) from e
             raise
         manifest = {
             "format": FORMAT,

@@ -463,3 +463,65 @@ def test_a_dataset_passed_as_an_init_argument_enters_by_class_length_and_constru
         dm.setup("fit")
     assert len(list(dm.stores["train"].path.parent.glob("train-*"))) == 1
     assert "Indexed[30]" in dm.stores["train"].meta["fingerprint_components"]["config"]["dataset"]
+
+
+class _Labelled(Dataset):
+    """Images with labels held in memory as ``targets`` (as torchvision's datasets)."""
+
+    def __init__(self, targets) -> None:
+        self.targets = targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int):
+        return torch.full((2,), i, dtype=torch.uint8), int(np.sum(self.targets[i]))
+
+
+@pytest.mark.parametrize("kind", ["numpy scalars", "lists", "ragged lists", "array"])
+def test_labels_held_in_memory_enter_the_fingerprint_whatever_their_type(kind):
+    """Only sample 3's label changes (not a probe). A list of numpy scalars (``list(array)``) or
+    of lists (multi-label) was left out of the fingerprint: the stale cache was reused."""
+    def targets(third):
+        labels = [i % 4 for i in range(40)]
+        labels[3] = third
+        if kind == "numpy scalars":
+            return list(np.asarray(labels))
+        if kind == "lists":
+            return [[v, v + 1] for v in labels]
+        if kind == "ragged lists":
+            return [[v] * (1 + i % 3) for i, v in enumerate(labels)]
+        return np.asarray(labels)
+
+    first = fingerprint(_Labelled(targets(3)), lambda s: s, probes=4)[0]
+    assert fingerprint(_Labelled(targets(3)), lambda s: s, probes=4)[0] == first
+    assert fingerprint(_Labelled(targets(9)), lambda s: s, probes=4)[0] != first
+
+
+def _prep_class(bad: int) -> type:
+    """A helper class ``Prep`` of the project, whose rare branch writes ``bad``."""
+    ns = {"__name__": __name__}
+    exec(textwrap.dedent(f"""
+        class Prep:
+            def __call__(self, sample):
+                image, label = sample
+                return (image * 0 + {bad}, label) if label == 5 else (image, label)
+    """), ns)
+    return ns["Prep"]
+
+
+class _WithHelper:
+    def __init__(self, prep) -> None:
+        self.prep = prep  # a helper object set on the instance, not the class
+
+    def static_transform(self, sample):
+        return self.prep(sample)
+
+
+def test_the_code_of_a_helper_object_held_by_the_data_module_is_hashed():
+    """``self.prep = Prep()`` in ``__init__``, ``self.prep(sample)`` in ``static_transform``: an edit
+    of Prep's code that changes only a non-probe sample reused the cache (only ``.prep`` was hashed)."""
+    data = CountingDataset(40, classes=40)
+    first = fingerprint(data, _WithHelper(_prep_class(5)()).static_transform, probes=4)[0]
+    assert fingerprint(data, _WithHelper(_prep_class(5)()).static_transform, probes=4)[0] == first
+    assert fingerprint(data, _WithHelper(_prep_class(6)()).static_transform, probes=4)[0] != first

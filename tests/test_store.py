@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -628,8 +629,12 @@ def test_a_full_disk_while_writing_ragged_values_is_the_clear_error(cache_dir, m
 
     kw = dict(ragged=["image", "vec", "mat"], progress=False)
     monkeypatch.setattr(S.os, "fdopen", fdopen)
-    with pytest.raises(StoreError, match=r"caching 'train' needs .* \(20 samples x .*, on average, estimated from the "
-                                         r"probe samples\) in cache_dir .* free; set cache_dir to a filesystem"):
+    # Not the up-front message ("needs 183.5 KB ... which has 4.2 MB free"), which the full disk
+    # contradicted: the estimate from the probe samples was exceeded.
+    with pytest.raises(StoreError, match=r"the disk of cache_dir .* filled up while caching 'train', after .* written "
+                                         r"of an estimated .* \(the other samples are larger than the probe samples, "
+                                         r"from which it was estimated\); .* were free at the start\. Set cache_dir "
+                                         r"to a filesystem with more room"):
         build_store(VaryingDataset(20), lambda s: s, cache_dir, **kw)
     _nothing_left(cache_dir)
     monkeypatch.setattr(S.os, "fdopen", real_fdopen)
@@ -638,6 +643,25 @@ def test_a_full_disk_while_writing_ragged_values_is_the_clear_error(cache_dir, m
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(S.os, "copy_file_range", no_room, raising=False)
-    with pytest.raises(StoreError, match="needs .* free; set cache_dir to a filesystem with more room"):
+    with pytest.raises(StoreError, match="filled up while caching 'train'.* Set cache_dir to a filesystem with more"):
         build_store(VaryingDataset(20), lambda s: s, cache_dir, **kw)
     _nothing_left(cache_dir)
+
+
+def test_cache_dir_with_a_tilde_a_file_or_no_write_access_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    store = build_store(CountingDataset(8), lambda s: s, "~/caches", progress=False)
+    assert str(store.path).startswith(str(tmp_path / "home" / "caches"))  # not ./~/caches
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(StoreError, match=r"cache_dir .*afile exists and is not a directory; set cache_dir to a "
+                                         r"directory"):
+        build_store(CountingDataset(8), lambda s: s, tmp_path / "afile", progress=False)
+    from lightning_fastdata import store as S
+
+    real_access = S.os.access
+    monkeypatch.setattr(S.os, "access", lambda p, mode: mode != os.W_OK and real_access(p, mode))
+    with pytest.raises(StoreError, match=r"the 'train' cache .* must be built \(there is none yet\), but .* is not "
+                                         r"writable \(a read-only filesystem, or another user's directory\); set "
+                                         r"cache_dir to a writable directory"):
+        build_store(CountingDataset(9), lambda s: s, tmp_path / "home" / "caches", progress=False)
+    assert build_store(CountingDataset(8), lambda s: s, "~/caches", progress=False).path == store.path  # reused
