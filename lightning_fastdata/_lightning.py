@@ -265,6 +265,36 @@ def loop_fetcher(loop: Any) -> Any:
     return _attr(loop, "_data_fetcher", "the loop's data fetcher")
 
 
+class _IndexBatches:
+    """The batches of sample indices a :func:`batch_index_record` describes (never iterated by Lightning)."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Any:
+        order = self._loader.order
+        return (b.tolist() for b in order.batches())
+
+
+def batch_index_record(loader: Any) -> Any:
+    """What Lightning's prediction loop reads a batch's sample indices from, for prediction writers.
+
+    Lightning 2.1.0 to 2.6.6: ``_PredictionLoop._get_batch_indices`` takes
+    ``loader.batch_sampler.seen_batch_indices[batch_idx]`` when the batch sampler is a
+    ``lightning.pytorch.overrides.distributed._IndexBatchSamplerWrapper`` (else it warns and
+    writers get ``[]``). The loader fills ``seen_batch_indices`` as it yields batches.
+    """
+    from lightning.pytorch.overrides import distributed
+
+    cls = _attr(distributed, "_IndexBatchSamplerWrapper", "the prediction loop's record of batch indices")
+    record = cls(_IndexBatches(loader))
+    record.seen_batch_indices = []  # its __init__ sets it, then replaces its __dict__ with the sampler's
+    return record
+
+
 def training_step_args(trainer: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
     """Positional arguments for ``strategy.training_step`` as the loop builds them (``batch_idx`` only
     when ``training_step`` takes it); Lightning 2.1.0 to 2.6.6 (``_build_kwargs(kwargs, batch, batch_idx)``)."""

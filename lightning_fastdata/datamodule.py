@@ -11,6 +11,7 @@ their samples; ``on_after_batch_transfer`` augments each sample on the device, k
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata._lightning import quiet_shared_hook_warnings, training_steps_in_flight
+from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
 from lightning_fastdata.augment import Batch, BatchTransform, starts_with_crop
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
@@ -537,13 +538,19 @@ class OptimizedDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         train = split == "train"
         n = len(self.stores[split]) if split in self.stores else len(self._raw[split])
+        # Prediction gives every sample to one rank (Lightning's UnrepeatedDistributedSamplerWrapper):
+        # padding would predict some samples twice.
         kw = dict(shuffle=self.shuffle and train, drop_last=self.drop_last and train, seed=self.seed,
-                  rank=rank, world_size=world)
+                  rank=rank, world_size=world, pad=split != "predict")
         source = self.placement.sources.get(split)
         if isinstance(source, ChunkedSource) and plan.chunk_mode == "block":
             order: ShardedOrder = BlockOrder(n, self._batch_size(split), rows=source.rows, **kw)
         else:
             order = ShardedOrder(n, self._batch_size(split), **kw)
+        trainer = self.trainer
+        # Outside a fit the epoch stays 0: a test or prediction with a random eval_augment is the
+        # same whether or not this Trainer fitted (and for how many epochs) before.
+        order.held = not train and not (trainer is not None and trainer.state.fn == "fit")
         if source is not None and not isinstance(source, HostSource):
             store = self.stores[split]
             augment = self.train_augment if train else self.eval_augment
@@ -596,9 +603,18 @@ class OptimizedDataModule(L.LightningDataModule):
         loader = self.build_loader(split)
         if loader != []:
             self._loaders[split] = loader
+            if split == "predict":
+                loader.index_record = batch_index_record(loader)  # batch_indices for prediction writers
             if split == "train" and hasattr(loader, "steps_in_flight"):
                 loader.steps_in_flight = self._train_steps_in_flight
+                loader.epoch_batches = self._train_epoch_batches
         return loader
+
+    def _train_epoch_batches(self) -> int | None:
+        """Batches of a training epoch as the Trainer runs it (``limit_train_batches`` applied), or None."""
+        trainer = self.trainer
+        n = getattr(trainer, "num_training_batches", None) if trainer is not None else None
+        return int(n) if isinstance(n, (int, float)) and math.isfinite(n) else None
 
     def _train_steps_in_flight(self) -> tuple[int, int] | None:
         """(epoch, training batches transferred whose step has not finished) during a fit."""

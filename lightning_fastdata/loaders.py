@@ -2,7 +2,7 @@
 
 Every loader draws its order from :class:`ShardedOrder`, which reproduces
 ``torch.utils.data.DistributedSampler`` exactly (one permutation per epoch from
-``seed + epoch``, padded or truncated to equal shards, rank ``r`` takes every
+``seed + epoch`` (modulo 2**64), padded or truncated to equal shards, rank ``r`` takes every
 ``world_size``-th index). Switching strategy therefore never changes which samples a
 rank sees, nor their order (:class:`BlockOrder`, for stores larger than host RAM, is the
 documented exception).
@@ -52,10 +52,13 @@ class ShardedOrder:
         seed: Base seed, identical on every rank.
         rank: This process's rank.
         world_size: Number of ranks.
+        pad: Pad the shards to equal lengths (``DistributedSampler``); False gives every sample
+            to exactly one rank, shards differing by one sample at most (prediction, as
+            Lightning's ``UnrepeatedDistributedSamplerWrapper``). Needs ``drop_last=False``.
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+                 seed: int = 0, rank: int = 0, world_size: int = 1, pad: bool = True) -> None:
         if n <= 0:
             raise ValueError(f"n must be > 0, got {n}")
         if batch_size <= 0:
@@ -64,17 +67,27 @@ class ShardedOrder:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
         if drop_last and n < world_size:
             raise ValueError(f"drop_last with {n} samples over {world_size} ranks leaves nothing to load")
+        if not pad and drop_last:
+            raise ValueError("pad=False keeps every sample once; it needs drop_last=False")
         self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed, self.rank, self.world_size, self.pad = seed, rank, world_size, pad
         self.epoch = 0
-        if drop_last and n % world_size:
+        if not pad:
+            self.num_samples = n // world_size + (rank < n % world_size)
+        elif drop_last and n % world_size:
             self.num_samples = math.ceil((n - world_size) / world_size)
         else:
             self.num_samples = math.ceil(n / world_size)
 
+    #: When True, :meth:`set_epoch` keeps epoch 0: an evaluation outside a fit (``trainer.test``,
+    #: ``predict``, ``validate``), whose order and augmentation keys must not depend on how many
+    #: epochs the Trainer fitted before (Lightning sets its fit progress on those loaders too).
+    held = False
+
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose permutation the next iteration uses."""
-        self.epoch = int(epoch)
+        """Select the epoch whose permutation the next iteration uses (ignored while :attr:`held`)."""
+        if not self.held:
+            self.epoch = int(epoch)
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -86,10 +99,12 @@ class ShardedOrder:
         epoch = self.epoch if epoch is None else epoch
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
+            g.manual_seed((self.seed + epoch) % 2**64)  # a seed near 2**64 would overflow torch's seed
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
+        if not self.pad:
+            return order[self.rank::self.world_size]
         total = self.num_samples * self.world_size
         if total > self.n:
             reps = math.ceil((total - self.n) / self.n)
@@ -149,10 +164,14 @@ class BlockOrder(ShardedOrder):
         else:
             blocks = torch.arange(nblocks)
         order = torch.cat([torch.arange(b * rows, min(self.n, (b + 1) * rows)) for b in blocks.tolist()])
-        total = self.num_samples * self.world_size
-        if total > self.n:  # pad by repeating the first indices, as DistributedSampler does
-            order = torch.cat([order, order.repeat(math.ceil((total - self.n) / self.n))[: total - self.n]])
-        mine = order[self.rank * self.num_samples:(self.rank + 1) * self.num_samples].clone()
+        if self.pad:
+            total = self.num_samples * self.world_size
+            if total > self.n:  # pad by repeating the first indices, as DistributedSampler does
+                order = torch.cat([order, order.repeat(math.ceil((total - self.n) / self.n))[: total - self.n]])
+            first = self.rank * self.num_samples
+        else:  # contiguous shards of n // world_size samples, the first n % world_size one longer
+            first = self.rank * (self.n // self.world_size) + min(self.rank, self.n % self.world_size)
+        mine = order[first:first + self.num_samples].clone()
         if self.shuffle:
             span = rows * self.window
             for w, a in enumerate(range(0, mine.numel(), span)):
@@ -270,11 +289,18 @@ class _Loader:
         self._counted_epoch = order.epoch  # the epoch the two counts above belong to
         self._tracking = False
         self._resume: tuple[int, int] | None = None
+        self._resume_total: int | None = None  # batches in the checkpoint's epoch (its own configuration)
         #: Set by the data module: ``(epoch, batches transferred whose step has not finished)``
         #: from the Trainer's own progress, or None outside a fit. A checkpoint saved while a
         #: step is in flight (an exception, a preemption signal) must not count that batch as
         #: used: the Trainer replays it on resume.
         self.steps_in_flight: Callable[[], tuple[int, int] | None] | None = None
+        #: Set by the data module: the batches a training epoch runs (``limit_train_batches``
+        #: applied), or None; tells an epoch the checkpoint left unfinished from a limited one.
+        self.epoch_batches: Callable[[], int | None] | None = None
+        #: Set by the data module on a prediction loader: where each yielded batch's sample
+        #: indices are recorded for Lightning's prediction writers (see ``batch_sampler``).
+        self.index_record: Any = None
 
     @property
     def sampler(self) -> ShardedOrder:
@@ -282,9 +308,23 @@ class _Loader:
         return self.order
 
     @property
-    def batch_sampler(self) -> None:
-        """Always ``None``: batches are formed by the loader itself (Lightning probes this)."""
-        return None
+    def batch_sampler(self) -> Any:
+        """``None``: batches are formed by the loader itself (Lightning probes this). A prediction
+        loader's is the record of each yielded batch's sample indices, which Lightning hands
+        to prediction writers as ``batch_indices``."""
+        return self.index_record
+
+    def _noting(self, epoch: int) -> Callable[[int], None] | None:
+        """Start recording the sample indices of the batches yielded from now (prediction), or None."""
+        record = self.index_record
+        if record is None:
+            return None
+        record.seen_batch_indices = []
+        idx, bs = self.order.indices(epoch), self.order.batch_size
+
+        def note(b: int) -> None:
+            record.seen_batch_indices.append(idx[b * bs:(b + 1) * bs].tolist())
+        return note
 
     @property
     def epoch(self) -> int:
@@ -309,10 +349,40 @@ class _Loader:
             epoch, start = self._resume
             self._resume = None
             if epoch != self.order.epoch:
+                self._warn_skipped(epoch, start)
                 start = 0
         self._yielded = self._consumed = start
         self._counted_epoch = self.order.epoch
         return start
+
+    def _warn_skipped(self, epoch: int, batch: int) -> None:
+        """The Trainer resumed into another epoch than the checkpoint's position: say what is never seen.
+
+        Lightning does so from a checkpoint saved where ``max_steps`` stopped inside an epoch
+        (it goes on with the next epoch, numbering its batches from the stopped position);
+        with a plain DataLoader it warns, but not for a loader that restores its position.
+        """
+        total = self._resume_total if self._resume_total is not None else len(self.order)
+        limit = self.epoch_batches() if self.epoch_batches is not None else None
+        if limit is not None:
+            total = min(total, limit)
+        skipped = []
+        if batch < total:
+            skipped.append(f"batches {batch} to {total - 1} of epoch {epoch}")
+        if self.order.epoch > epoch + 1:
+            gap = self.order.epoch - epoch - 1
+            skipped.append(f"epoch{'s' if gap > 1 else ''} {epoch + 1}"
+                           + (f" to {self.order.epoch - 1}" if gap > 1 else ""))
+        if skipped:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"lightning_fastdata: the checkpoint's training loader stopped at batch {batch} of {total} of "
+                f"epoch {epoch}, but the Trainer goes on with epoch {self.order.epoch}, so {' and '.join(skipped)} "
+                "are never seen (Lightning does this on resuming from where max_steps stopped inside an epoch). "
+                "For the batches of an uninterrupted run, resume from a checkpoint saved at an epoch's end, or "
+                "stop with max_epochs"
+            )
 
     def _position(self) -> tuple[int, int]:
         """(epoch, batches used in it) as a checkpoint must record them."""
@@ -330,15 +400,19 @@ class _Loader:
     def state_dict(self) -> dict[str, Any]:
         """The position to resume from: epoch and batches consumed, plus what must match."""
         epoch, used = self._position()
-        return {"epoch": epoch, "batch": used, "seed": self.order.seed, "shuffle": self.order.shuffle,
-                **self.order.identity()}
+        return {"epoch": epoch, "batch": used, "batches": len(self.order), "seed": self.order.seed,
+                "shuffle": self.order.shuffle, **self.order.identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state['epoch']`` starts at batch ``state['batch']``."""
         mine = self.order.identity()
         state = {"mode": "global", **state}
+        total = state.get("batches")
+        # Saved at its epoch's end, the position replays nothing: another batch size or world size
+        # (which a mid-epoch position cannot follow) is fine there.
+        done = total is not None and int(state["batch"]) >= int(total)
         for key, value in mine.items():
-            if key in state and state[key] != value:
+            if not done and key in state and state[key] != value:
                 why = ("; in block mode the sample order follows the chunk size, which the plan takes from this "
                        "machine's free host memory: resume where as much memory is free, or restart the epoch "
                        "(load the checkpoint's weights without its loop state)") if key == "chunk_rows" else ""
@@ -348,6 +422,7 @@ class _Loader:
                 )
         self.order.set_epoch(int(state["epoch"]))
         self._resume = (int(state["epoch"]), int(state["batch"]))
+        self._resume_total = int(total) if total is not None else None
 
 
 class IndexLoader(_Loader):
@@ -418,12 +493,15 @@ class IndexLoader(_Loader):
 
     def __iter__(self) -> Iterator[FastBatch]:
         start = self._start()
+        note = self._noting(self.order.epoch)
         produced = self._produce(start)
         if self.ahead:
             produced = _run_ahead(produced, self.ahead, self.device)
         try:
             for batch in produced:
                 self._yielded = batch.index + 1
+                if note is not None:
+                    note(batch.index)
                 yield batch
         finally:
             produced.close()
@@ -652,7 +730,10 @@ class WorkerLoader(_Loader):
         self.iter_start = start
         idx = self.order.indices(epoch)
         bs = self.order.batch_size
+        note = self._noting(epoch)
         for b, batch in enumerate(self.dataloader, start):
+            if note is not None:
+                note(b)
             if isinstance(batch, FastBatch):  # prepared in the worker
                 self._yielded = b + 1
                 yield batch

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from _helpers import CountingDataset, TinyDataModule, TinyModel, trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 
 from lightning_fastdata import augment as A
 from lightning_fastdata.loaders import FastBatch
@@ -126,6 +126,24 @@ def test_mid_epoch_checkpoint_resume_is_exact(tmp_path):
     assert len(resumed.seen) == 13
     for (x0, y0), (x1, y1) in zip(full.seen[3:], resumed.seen, strict=True):
         assert torch.equal(y0, y1) and torch.equal(x0, x1)
+
+
+def test_resuming_where_max_steps_stopped_mid_epoch_warns_what_is_never_seen(tmp_path):
+    """Lightning goes on with the next epoch from such a checkpoint (numbering its batches from
+    the stopped position): the rest of the stopped epoch is never seen. It warns for a plain
+    DataLoader; for this loader, which restores its position, it said nothing."""
+    cache = str(tmp_path / "c")
+
+    def dm():
+        return TinyDataModule(n=40, batch_size=8, cache_dir=cache, device="cpu", val=False)
+
+    first = trainer(tmp_path, max_steps=3, max_epochs=-1)
+    first.fit(TinyModel(), dm())
+    first.save_checkpoint(tmp_path / "stopped.ckpt")
+    with pytest.warns(UserWarning, match=r"the checkpoint's training loader stopped at batch 3 of 5 of epoch 0, but "
+                                         r"the Trainer goes on with epoch 1, so batches 3 to 4 of epoch 0 are never "
+                                         r"seen \(Lightning does this on resuming from where max_steps stopped"):
+        trainer(tmp_path, max_steps=6, max_epochs=-1).fit(TinyModel(), dm(), ckpt_path=str(tmp_path / "stopped.ckpt"))
 
 
 class _FailsOnce(TinyModel):
@@ -592,3 +610,66 @@ def test_a_failed_fit_releases_its_shared_memory_and_a_second_fit_works(tmp_path
     del dm, model  # the model's trainer holds the data module, whose stores view the segments
     gc.collect()
     assert set(_held_segments()) <= before
+
+
+class _Predicting(TinyDataModule):
+    """Training and prediction splits whose label is the sample's index."""
+
+    def source(self, split: str):
+        return CountingDataset(self.n, self.shape, classes=self.n) if split in ("train", "predict") else None
+
+
+class _Predictor(TinyModel):
+    def predict_step(self, batch, batch_idx):
+        x, y = batch
+        return x, y
+
+
+class _Writer(BasePredictionWriter):
+    def __init__(self) -> None:
+        super().__init__("batch")
+        self.rows: list[tuple[list[int], list[int]]] = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        self.rows.append((list(batch_indices), prediction[1].tolist()))
+
+
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_prediction_writers_get_each_batchs_sample_indices(tmp_path, strategy):
+    # Lightning hands writers batch_indices from the loader's batch sampler: they were [] here
+    # (with "Couldn't infer the batch indices"), so predictions could not be mapped to samples.
+    dm = _Predicting(n=11, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy)
+    writer = _Writer()
+    trainer(tmp_path, callbacks=[writer]).predict(_Predictor(), datamodule=dm, return_predictions=False)
+    assert [rows for rows, _ in writer.rows] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert all(rows == labels for rows, labels in writer.rows)
+
+
+def test_prediction_under_ddp_gives_every_sample_to_one_rank(tmp_path, monkeypatch):
+    # Padded like DistributedSampler (as training must be), 11 samples over 2 ranks predicted
+    # sample 0 twice; Lightning's own prediction sampler does not pad.
+    dm = _Predicting(n=11, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu")
+    dm.setup("predict")
+    try:
+        seen = []
+        for rank in (0, 1):
+            monkeypatch.setattr(dm, "_rank_world", lambda rank=rank: (rank, 2))
+            seen += [i for b in dm.build_loader("predict") for i in b.indices.tolist()]
+        assert sorted(seen) == list(range(11))
+    finally:
+        dm.teardown("predict")
+
+
+def test_a_random_eval_augment_outside_fit_does_not_depend_on_the_epochs_fitted_before(tmp_path):
+    # Lightning sets its fit progress as the epoch of test/predict loaders too: the flips of a
+    # prediction right after a 3-epoch fit differed from those of a fresh Trainer.
+    def dm():
+        return _Predicting(n=16, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu",
+                           eval_augment=A.RandomHorizontalFlip())
+
+    model = _Predictor(classes=16)
+    fitted = trainer(tmp_path, max_epochs=3)
+    fitted.fit(model, dm())
+    after_fit = fitted.predict(model, datamodule=dm())
+    fresh = trainer(tmp_path).predict(model, datamodule=dm())
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(after_fit, fresh, strict=True))

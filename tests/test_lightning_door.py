@@ -104,6 +104,30 @@ def test_prefetch_iter_is_the_prefetching_fetchers_own_and_names_a_move(monkeypa
         door.prefetch_iter()
 
 
+def test_batch_index_record_is_what_the_prediction_loop_reads(monkeypatch):
+    from lightning.pytorch.loops.prediction_loop import _PredictionLoop
+    from lightning.pytorch.overrides import distributed
+
+    class Loader:
+        order = None
+
+        def __len__(self) -> int:
+            return 2
+
+    record = door.batch_index_record(Loader())
+    record.seen_batch_indices.append([3, 4])
+
+    class Holder:
+        batch_sampler = record
+
+    loop = _PredictionLoop.__new__(_PredictionLoop)
+    assert _PredictionLoop._get_batch_indices(loop, Holder()) == [[3, 4]]
+    monkeypatch.delattr(distributed, "_IndexBatchSamplerWrapper")
+    with pytest.raises(door.DoorClosed, match=r"_IndexBatchSamplerWrapper \(the prediction loop's record of batch "
+                                              r"indices\) is missing"):
+        door.batch_index_record(Loader())
+
+
 def test_patches_set_a_class_attribute_back_only_while_it_holds_their_wrapper():
     class Fetcher:
         def __iter__(self):

@@ -187,6 +187,82 @@ def test_resume_refuses_a_different_configuration():
         b.load_state_dict(a.state_dict())
 
 
+def test_a_checkpoint_at_an_epochs_end_resumes_with_another_batch_size():
+    # Nothing is left to replay: the identity a mid-epoch position needs does not apply.
+    s = _store(40)
+    a = device_loader(s, ShardedOrder(40, 8))
+    for b in a:
+        a.consumed(b)
+    state = a.state_dict()
+    assert (state["batch"], state["batches"]) == (5, 5)
+    b = device_loader(s, ShardedOrder(40, 10))
+    b.load_state_dict(state)
+    b.set_epoch(1)
+    assert len(list(b)) == 4
+    old = {k: v for k, v in state.items() if k != "batches"}  # a checkpoint from before "batches" was saved
+    with pytest.raises(ValueError, match="batch_size=8"):
+        device_loader(s, ShardedOrder(40, 10)).load_state_dict(old)
+
+
+def test_resuming_into_another_epoch_warns_about_the_batches_never_seen():
+    s = _store(40)
+
+    def stopped_at(epoch, batch):
+        ld = device_loader(s, ShardedOrder(40, 8, seed=1))
+        ld.set_epoch(epoch)
+        it = iter(ld)
+        for _ in range(batch):
+            ld.consumed(next(it))
+        resumed = device_loader(s, ShardedOrder(40, 8, seed=1))
+        resumed.load_state_dict(ld.state_dict())
+        return resumed
+
+    ld = stopped_at(0, 3)
+    ld.set_epoch(1)  # as Lightning does from a max_steps stop
+    with pytest.warns(UserWarning, match=r"stopped at batch 3 of 5 of epoch 0, but the Trainer goes on with epoch 1, "
+                                         r"so batches 3 to 4 of epoch 0 are never seen"):
+        assert len(list(ld)) == 5
+    ld = stopped_at(0, 5)
+    ld.set_epoch(2)
+    with pytest.warns(UserWarning, match=r"so epoch 1 are never seen"):
+        list(ld)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ld = stopped_at(0, 5)  # an epoch's end: the next epoch follows
+        ld.set_epoch(1)
+        list(ld)
+        ld = stopped_at(0, 3)  # an epoch limited to 3 batches (limit_train_batches)
+        ld.epoch_batches = lambda: 3
+        ld.set_epoch(1)
+        list(ld)
+        ld = stopped_at(1, 2)  # a mid-epoch resume
+        assert len(list(ld)) == 3
+
+
+def test_a_seed_near_two_to_the_64_still_orders_every_epoch():
+    # seed + epoch overflowed torch's seed: the fit died at epoch 1 ("Overflow when unpacking long long").
+    top = ShardedOrder(10, 2, seed=2**64 - 1)
+    assert torch.equal(top.indices(epoch=3), ShardedOrder(10, 2, seed=0).indices(epoch=2))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_unpadded_shards_give_every_sample_to_exactly_one_rank(shuffle):
+    from lightning_fastdata.loaders import BlockOrder
+
+    for n in range(1, 14):
+        for world in range(1, 5):
+            for cls, extra in ((ShardedOrder, {}), (BlockOrder, {"rows": 2})):
+                shards = [cls(n, 3, shuffle=shuffle, rank=r, world_size=world, pad=False, **extra)
+                          for r in range(world)]
+                seen = [i for o in shards for b in o.batches() for i in b.tolist()]
+                assert sorted(seen) == list(range(n)), (n, world)
+                assert [len(o.indices()) for o in shards] == [n // world + (r < n % world) for r in range(world)]
+    with pytest.raises(ValueError, match="pad=False keeps every sample once; it needs drop_last=False"):
+        ShardedOrder(10, 2, drop_last=True, pad=False)
+
+
 def test_order_validation():
     with pytest.raises(ValueError, match="batch_size"):
         ShardedOrder(10, 0)
