@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", action="append", default=None, metavar="LABEL=REV",
                    help=f"an earlier commit to compare (repeatable; default {BASELINES})")
     p.add_argument("--no-baselines", action="store_true", help="measure this checkout only")
-    p.add_argument("--json", default=str(RESULTS), help="where to write the results ('' for nowhere)")
+    p.add_argument("--json", default=None, help="where to write the results (default "
+                   "benchmarks/results/augment_ops.json; with --quick nowhere unless given, "
+                   "so a smoke test leaves the committed results alone; '' for nowhere)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 30)
@@ -267,11 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{d} {ms:.3f}" for d, ms in versions[-1]["results"]["memcpy_ms"].items()))
     print(f"load average {load_before:.2f} before, {out['meta']['load_after']:.2f} after; "
           f"{repeats} repeats, 1 torch thread")
-    if args.json:
+    # A --quick run's figures are not results: the committed file is kept unless a path is given.
+    path = args.json if args.json is not None else "" if args.quick else str(RESULTS)
+    if not path:
+        print("no JSON written" + (" (--quick; --json PATH writes one)" if args.quick else ""))
+    else:
         sys.path.insert(0, str(ROOT))
         from lightning_fastdata._util import atomic_write_text
 
-        atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")
+        atomic_write_text(path, json.dumps(out, indent=1) + "\n")
     return 0
 
 

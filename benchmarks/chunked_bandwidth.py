@@ -18,7 +18,7 @@ uint8):
 Every figure is the best of ``--repeats``; on a shared machine they are noisy.
 
     python benchmarks/chunked_bandwidth.py                 # cuda when available, else cpu
-    python benchmarks/chunked_bandwidth.py --quick --device cpu
+    python benchmarks/chunked_bandwidth.py --quick --device cpu   # smoke test: writes no JSON
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2,4", help="fill threads to compare (default %(default)s)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 5, --quick 3)")
     p.add_argument("--json", default=None, help="write the results here (default "
-                   "benchmarks/results/chunked_bandwidth_<device type>.json; '' for nowhere)")
+                   "benchmarks/results/chunked_bandwidth_<device type>.json; with --quick nowhere "
+                   "unless given, so a smoke test leaves the committed results alone; '' for nowhere)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -151,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         out["name"] = torch.cuda.get_device_name(device)
     print(f"load average {load:.2f} before, {out['load_after']:.2f} after")
-    path = args.json if args.json is not None else str(ROOT / "benchmarks" / "results" /
-                                                       f"chunked_bandwidth_{device.type}.json")
-    if path:
+    # A --quick run's figures are not results: the committed file is kept unless a path is given.
+    path = args.json if args.json is not None else "" if args.quick else str(
+        ROOT / "benchmarks" / "results" / f"chunked_bandwidth_{device.type}.json")
+    if not path:
+        print("no JSON written" + (" (--quick; --json PATH writes one)" if args.quick else ""))
+    else:
         sys.path.insert(0, str(ROOT))
         from lightning_fastdata._util import atomic_write_text
 

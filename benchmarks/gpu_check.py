@@ -22,7 +22,7 @@ and chunked; chunked >= 0.8 of the pinned copy for both row sizes; the demo's fa
 data wait < 5%) with the measured figure and whether each is met.
 
     benchmarks/gpu_check.sh                             # the full check on CUDA
-    python benchmarks/gpu_check.py --quick --device cpu # seconds-to-minutes smoke test on a CPU
+    python benchmarks/gpu_check.py --quick --device cpu # seconds-to-minutes smoke test on a CPU; no JSON
 """
 
 from __future__ import annotations
@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny stores and models: a smoke test (any device)")
     p.add_argument("--sections", default="training,bandwidth,demo", help="comma-separated: training, bandwidth, demo")
     p.add_argument("--json", default=None, help="where to write the results (default "
-                   "benchmarks/results/gpu_check_<gpu>.json; '' for nowhere)")
+                   "benchmarks/results/gpu_check_<gpu>.json; with --quick nowhere unless given, so a "
+                   "smoke test leaves the committed results alone; '' for nowhere)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -354,9 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     print(f"total {result['total_s']:.0f} s" + ("" if result["total_s"] < 300 or args.quick else
                                                " (over the 5-minute budget)"))
-    path = args.json if args.json is not None else str(
+    # A --quick run's figures are not results: the committed file is kept unless a path is given.
+    path = args.json if args.json is not None else "" if args.quick else str(
         ROOT / "benchmarks" / "results" / f"gpu_check_{slug(name) if device.type == 'cuda' else 'cpu'}.json")
-    if path:
+    if not path:
+        print("no JSON written" + (" (--quick; --json PATH writes one)" if args.quick else ""))
+    else:
         sys.path.insert(0, str(ROOT))
         from lightning_fastdata._util import atomic_write_text
 

@@ -35,7 +35,7 @@ Usage::
 
     python benchmarks/jpeg.py                  # the full run on the CPU
     python benchmarks/jpeg.py --device cuda    # the same on a GPU (DALI too, if installed)
-    python benchmarks/jpeg.py --quick          # a smoke test of a few seconds
+    python benchmarks/jpeg.py --quick          # a smoke test of a few seconds; no JSON unless --out
 """
 
 from __future__ import annotations
@@ -84,8 +84,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, default=None, help="keep the photos and stores here (default: a "
                    "temporary folder, removed at the end)")
     p.add_argument("--quick", action="store_true", help="a few batches of small photos: a smoke test")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "jpeg.json")
+    p.add_argument("--out", type=Path, default=None, help="write the results here (default "
+                   "benchmarks/results/jpeg.json; "
+                   "with --quick nowhere unless given, so a smoke test leaves the committed results alone)")
     args = p.parse_args(argv)
+    if args.out is None and not args.quick:
+        args.out = HERE / "results" / "jpeg.json"
     if args.quick:
         args.images, args.batch_size, args.epochs = min(args.images, 160), min(args.batch_size, 32), 1
     return args
@@ -407,9 +411,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
     results["meta"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     results["meta"]["seconds"] = round(time.time() - started, 1)
-    atomic_write_text(args.out, json.dumps(results, indent=2))
+    if args.out is not None:
+        atomic_write_text(args.out, json.dumps(results, indent=2))
     print(table(results))
-    print(f"\nJSON: {args.out}")
+    print(f"\nJSON: {args.out}" if args.out is not None else "\nno JSON written (--quick; --out PATH writes one)")
     return results
 
 

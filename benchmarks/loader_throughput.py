@@ -32,7 +32,7 @@ Usage::
 
     python benchmarks/loader_throughput.py                  # full run on the CPU
     python benchmarks/loader_throughput.py --device cuda    # the same on a GPU
-    python benchmarks/loader_throughput.py --quick          # seconds-long smoke test
+    python benchmarks/loader_throughput.py --quick          # seconds-long smoke test; no JSON unless --out
 """
 
 from __future__ import annotations
@@ -380,8 +380,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="num_workers values for plain, plain_batched and workers "
                         "(default 0,1,2,4,... up to the CPU count, and the CPU count)")
     p.add_argument("--repeats", type=int, default=None, help="timed segments per figure (median)")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "loader_throughput.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the results here (default benchmarks/results/loader_throughput.json; "
+                        "with --quick nowhere unless given, so a smoke test leaves the committed results alone)")
     args = p.parse_args(argv)
+    if args.out is None and not args.quick:
+        args.out = HERE / "results" / "loader_throughput.json"
     args.threads = [int(t) for t in args.threads.split(",") if t]
     args.workers = (worker_candidates(cpu_count()) if args.workers is None
                     else [int(w) for w in args.workers.split(",") if w])
@@ -426,9 +430,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["shapes"][name] = run_shape(name, args, device, args.threads)
     results["meta"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     results["meta"]["seconds"] = round(time.time() - started, 1)
-    atomic_write_text(args.out, json.dumps(results, indent=2))
+    if args.out is not None:
+        atomic_write_text(args.out, json.dumps(results, indent=2))
     print(table(results))
-    print(f"\nJSON: {args.out}")
+    print(f"\nJSON: {args.out}" if args.out is not None else "\nno JSON written (--quick; --out PATH writes one)")
     return results
 
 

@@ -10,7 +10,8 @@ test suite checks the same arithmetic exactly on a fake clock and asserts no tim
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/profiler_accuracy.py
 
-Writes ``benchmarks/results/profiler_accuracy.json`` (``--out``).
+Writes ``benchmarks/results/profiler_accuracy.json`` (``--out``); a ``--quick`` smoke run
+writes nothing unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -92,13 +93,17 @@ def run_case(fetch_ms: float, compute_ms: float, batches: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=20, help="Batches per fit.")
     parser.add_argument("--repeats", type=int, default=3, help="Fits per case.")
     parser.add_argument("--quick", action="store_true", help="One repeat of 5 batches per case (a smoke run).")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiler_accuracy.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None,
+                        help="Write the results here (default benchmarks/results/profiler_accuracy.json; with "
+                             "--quick nowhere unless given, so a smoke run leaves the committed results alone).")
+    args = parser.parse_args(argv)
+    if args.out is None and not args.quick:
+        args.out = str(Path(__file__).parent / "results" / "profiler_accuracy.json")
     batches, repeats = (5, 1) if args.quick else (args.batches, args.repeats)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -115,6 +120,9 @@ def main() -> None:
     result = {"meta": {"batches": batches, "repeats": repeats, "quick": args.quick, "python": platform.python_version(),
                        "torch": torch.__version__, "lightning": L.__version__, "machine": platform.machine()},
               "cases": cases}
+    if args.out is None:
+        print("no JSON written (--quick; --out PATH writes one)")
+        return
     atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

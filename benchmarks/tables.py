@@ -308,6 +308,10 @@ def callback_overhead(results: Path) -> str:
 # --------------------------------------------------------------------------- other CPU measurements
 
 
+#: The commit whose benchmarks/gpu_check.py measured chunked_vs_device_cpu.json (the JSON's commit).
+CHUNKED_VS_DEVICE_COMMIT = "b388ff0"
+
+
 @table("other_cpu", "chunked_vs_device_cpu.json", "augment_throughput.json", "callback_overhead.json",
        "callback_instructions.json", "null_model_epoch.json", "volumes.json", "jpeg.json")
 def other_cpu(results: Path) -> str:
@@ -336,8 +340,11 @@ def other_cpu(results: Path) -> str:
                 f"{_pct(ins['overhead_frac']['noop_callback'])})")
     rows = [
         ["`chunked` / `device` throughput", ratios,
-         "`python benchmarks/gpu_check.py --device cpu --only throughput --epochs 5` (the GPU check before its "
-         "rework; `benchmarks/chunked_bandwidth.py` now measures the chunked source)"],
+         # The script that measured it was reworked at 003a432: its command no longer runs there.
+         f"from an older script: `python benchmarks/gpu_check.py --device cpu --only throughput --epochs 5` at "
+         f"commit {CHUNKED_VS_DEVICE_COMMIT} (`git show {CHUNKED_VS_DEVICE_COMMIT}:benchmarks/gpu_check.py`); "
+         "today's `gpu_check.py` has no such options, and `benchmarks/chunked_bandwidth.py` measures the "
+         "chunked source"],
         [f"full training augmentation ({aug['pipeline']}), batched on the {aug['device']} vs per-sample "
          "torchvision v2 at its best workers", augs, "`python benchmarks/augment_throughput.py --repeats 3`"],
         [f"`FastDataCallback` cost per step, side by side with and without it (median over {lin['processes']} "

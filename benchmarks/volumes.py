@@ -47,10 +47,11 @@ Usage::
 
     python benchmarks/volumes.py                    # 16 volumes 128^3, 96^3 crops, on the CPU
     python benchmarks/volumes.py --device cuda      # the same on a GPU
-    python benchmarks/volumes.py --quick            # seconds-long smoke test (64^3 volumes, 48^3 crops)
+    python benchmarks/volumes.py --quick            # seconds-long smoke test (64^3 volumes, 48^3 crops), no JSON
     python benchmarks/volumes.py --default-malloc   # every side with glibc's default malloc
 
-Writes ``benchmarks/results/volumes.json`` and prints a markdown table.
+Writes ``benchmarks/results/volumes.json`` (``--out``; a ``--quick`` run only when
+``--out`` is given) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -437,8 +438,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc at its defaults on every side (by default every side runs with "
                         "freed memory kept, as OptimizedDataModule sets it on a CPU run: host_memory.py)")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=None, help="write the results here (default "
+                   "benchmarks/results/volumes.json; "
+                   "with --quick nowhere unless given, so a smoke test leaves the committed results alone)")
     args = p.parse_args(argv)
+    if args.out is None and not args.quick:
+        args.out = str(RESULTS)
     if args.quick:
         args.volumes, args.side, args.crop = 4, 64, 48
         args.batch_size, args.batches, args.warmup, args.repeats = 2, 3, 1, 1
@@ -496,15 +501,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "window_cached_vs_monai_best": cached["samples_per_s"] / monai_best["samples_per_s"] if cached else None,
         "results": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(report, indent=2) + "\n")
+    if args.out is not None:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(report, indent=2) + "\n")
     print("\nbest of each:\n")
     print(table(summary, monai_best["samples_per_s"]))
     print("\nevery setting:\n")
     print(table(rows, monai_best["samples_per_s"]))
     print(f"\noutputs (shape, dtype, device): {json.dumps(outputs)}\nsame shapes: {report['same_output_shapes']}, "
-          f"same dtypes: {report['same_output_dtypes']}\nmachine: {report['machine']}\nwrote {out}")
+          f"same dtypes: {report['same_output_dtypes']}\nmachine: {report['machine']}\n"
+          + (f"wrote {args.out}" if args.out is not None else "no JSON written (--quick; --out PATH writes one)"))
     return report
 
 

@@ -6,6 +6,7 @@ This module imports nothing from the package, so any module may import it.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -44,9 +45,89 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+#: Where the CPU quota and topology are read (tests point them at a fake tree).
+CGROUP_ROOT, PROC_CGROUP, CPU_TOPOLOGY = "/sys/fs/cgroup", "/proc/self/cgroup", "/sys/devices/system/cpu"
+
+
+def _allowed_cpus() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
 def cpu_count() -> int:
-    """CPUs this process may run on (affinity-aware)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota (a
+    container's ``--cpus``), rounded up."""
+    allowed = len(_allowed_cpus())
+    quota = cgroup_cpu_quota()
+    return max(1, min(allowed, math.ceil(quota))) if quota is not None else allowed
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs the process's cgroup quota allows (the tightest on its path up the hierarchy), or None.
+
+    cgroup v2: ``cpu.max`` ("max 100000" or "50000 100000"); v1: ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us`` in the cpu controller's mount (-1: none).
+    """
+    root = CGROUP_ROOT
+    try:
+        lines = Path(PROC_CGROUP).read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            bases = [Path(root)]
+        elif "cpu" in controllers.split(","):
+            bases = [Path(root) / "cpu,cpuacct", Path(root) / "cpu"]
+        else:
+            continue
+        for base in bases:
+            here = base / path.lstrip("/")
+            while True:
+                limit = _read_quota(here, v2=controllers == "")
+                if limit is not None:
+                    limits.append(limit)
+                if here == base or base not in here.parents:
+                    break
+                here = here.parent
+    return min(limits) if limits else None
+
+
+def _read_quota(directory: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            quota, _, period = (directory / "cpu.max").read_text().strip().partition(" ")
+            if quota == "max":
+                return None
+            return int(quota) / int(period or 100000)
+        quota_us = int((directory / "cpu.cfs_quota_us").read_text())
+        period_us = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may use (hyperthread siblings counted once),
+    capped like :func:`cpu_count`; psutil's node-wide count where the topology cannot be read."""
+    allowed = _allowed_cpus()
+    cores: set[tuple[str, str]] = set()
+    try:
+        for cpu in allowed:
+            topology = Path(CPU_TOPOLOGY) / f"cpu{cpu}" / "topology"
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        physical = len(cores)
+    except OSError:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False) or len(allowed)
+    return max(1, min(physical, cpu_count()))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, mode: int = 0o644) -> Path:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,23 +42,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class LoaderTiming(NamedTuple):
+    """What :func:`time_loader` measured: the rate and what it was measured over."""
+
+    #: Samples per second over the timed batches.
+    samples_per_s: float
+    #: Samples in the timed batches (a partial last batch counts what it holds).
+    samples: int
+    #: Batches timed, warm-up excluded.
+    batches: int
+    #: Passes over the loader begun, warm-up included (more than 1 only with ``cycle``).
+    passes: int
+
 
 def time_loader(loader: Iterable[Any], device: torch.device | str = "cpu", batches: int = TIMED_BATCHES,
-                warmup: int = WARMUP_BATCHES,
-                consume: Callable[[Any], Any] | None = None) -> tuple[float, int]:
+                warmup: int = WARMUP_BATCHES, consume: Callable[[Any], Any] | None = None,
+                cycle: bool = False) -> LoaderTiming:
     """Samples per second of ``loader`` over ``batches`` batches after ``warmup`` untimed ones.
 
     Each batch is moved to ``device`` and passed to ``consume`` (e.g. the augmentation)
-    before the next is drawn. A loader shorter than ``warmup + batches`` is timed over
-    what follows its warm-up (at least one batch).
+    before the next is drawn. With ``cycle``, a loader shorter than ``warmup + batches``
+    is iterated again (epoch after epoch, the epoch boundaries timed as in training) until
+    that many batches are drawn; without, it is timed over what follows its warm-up (at
+    least one batch), and the result says how few batches that was.
 
     Returns:
-        ``(samples_per_second, samples_timed)``.
+        A :class:`LoaderTiming`: ``(samples_per_s, samples, batches, passes)``.
+
+    Raises:
+        ValueError: No batch could be timed (an empty loader, or one batch without ``cycle``).
     """
     device = torch.device(device)
-    # A short loader keeps at least one batch to time.
-    w = max(0, min(warmup, _len_or(loader, warmup + batches) - 1))
-    it = iter(loader)
+    # A short loader keeps at least one batch to time; cycling makes it long enough.
+    w = warmup if cycle else max(0, min(warmup, _len_or(loader, warmup + batches) - 1))
+    passes = [0]
+    it = _passes(loader, passes) if cycle else iter(loader)
     samples, drawn = 0, 0
     start = time.perf_counter() if w == 0 else None
     try:
@@ -83,7 +101,19 @@ def time_loader(loader: Iterable[Any], device: torch.device | str = "cpu", batch
         del it
     if samples == 0 or elapsed <= 0:
         raise ValueError(f"could not time the loader: {drawn} batch(es) drawn, need at least 2")
-    return samples / elapsed, samples
+    return LoaderTiming(samples / elapsed, samples, max(0, drawn - w), max(1, passes[0]))
+
+
+def _passes(loader: Iterable[Any], count: list[int]) -> Iterator[Any]:
+    """Batches of ``loader``, pass after pass, counting the passes in ``count[0]``; stops at an empty pass."""
+    while True:
+        count[0] += 1
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:  # an empty loader would otherwise spin here forever
+            return
 
 
 def shutdown_workers(loader: Any) -> None:

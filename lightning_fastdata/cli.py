@@ -152,7 +152,8 @@ class _ToolCLI(LightningCLI):
         parser.add_argument("--json", type=str | None, default=None,
                             help="Write the report as JSON to this path ('-': stdout, the text then goes to stderr).")
         if self.tool == "bench":
-            parser.add_argument("--batches", type=PositiveInt, default=30, help="Batches timed per repeat.")
+            parser.add_argument("--batches", type=PositiveInt, default=30, help="Batches timed per repeat (a shorter "
+                                "training split is drawn over several epochs).")
             parser.add_argument("--warmup", type=NonNegativeInt, default=3, help="Untimed batches before each repeat.")
             parser.add_argument("--repeats", type=PositiveInt, default=3, help="Repeats; the median is reported.")
             parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar.")
@@ -311,9 +312,10 @@ def run_bench(dm: OptimizedDataModule, device: torch.device, local_world_size: i
 
     Each strategy runs with the loader parameters its plan gives for ``local_world_size``
     ranks; a timed batch is fetched, moved to ``device`` and augmented with
-    ``train_augment``, as in training, without a model. Rates are the median of
-    ``repeats``. The text goes to ``out`` (default stdout, or stderr when ``json_path``
-    is ``"-"``, so that stdout is the JSON alone).
+    ``train_augment``, as in training, without a model. A split shorter than ``warmup +
+    batches`` batches is drawn epoch after epoch until ``batches`` are timed. Rates are
+    the median of ``repeats``. The text goes to ``out`` (default stdout, or stderr when
+    ``json_path`` is ``"-"``, so that stdout is the JSON alone).
     """
     out = out or _text_stream(json_path)
     # What strategy="auto" would pick, whatever the config forces: the advice compares with that.
@@ -389,15 +391,19 @@ def _bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device
         if bar is not None:
             bar.update(1)
 
-    rates, loader = [], None
+    rates, timings, loader = [], [], None
     try:
         dm.setup("fit")
         loader = dm.train_dataloader()
         for _ in range(repeats):
             try:
-                rates.append(time_loader(loader, device, batches=batches, warmup=warmup, consume=consume)[0])
+                # cycle: a split of fewer than warmup + batches batches is drawn epoch after
+                # epoch, so that the rate is over the batches asked for, not one partial batch.
+                timing = time_loader(loader, device, batches=batches, warmup=warmup, consume=consume, cycle=True)
             except ValueError as e:  # time_loader's: no batch to time (a split smaller than one batch)
                 return {"strategy": strategy, "feasible": False, "reason": _too_short(dm, loader, e)}
+            rates.append(timing.samples_per_s)
+            timings.append(timing)
     except (PlanError, RuntimeError) as e:
         return {"strategy": strategy, "feasible": False, "reason": f"{type(e).__name__}: {e}"}
     finally:
@@ -406,9 +412,28 @@ def _bench_strategy(dm: OptimizedDataModule, strategy: str, device: torch.device
         shutdown_workers(loader)  # idle workers of one strategy must not linger into the next
         dm.teardown("fit")
     p = dm.plan or plan
+    # The fewest of any repeat: what every rate was measured over at least.
+    timed_batches = min(t.batches for t in timings)
+    note = ""
+    if timed_batches < batches:  # only a loader whose later pass is empty ends early
+        note = f"only {timed_batches} of {batches} batches timed"
+        warnings.warn(f"bench: strategy '{strategy}' timed only {timed_batches} of the {batches} batches asked "
+                      "for (the training loader ran dry); its rate is from those alone", stacklevel=2)
+    elif max(t.passes for t in timings) > 1:
+        note = f"{max(t.passes for t in timings)} passes of a {_len_text(loader)} epoch"
     return {"strategy": strategy, "feasible": True, "samples_per_s": statistics.median(rates),
             "rates": rates, "num_workers": p.num_workers, "pin_memory": p.pin_memory,
-            "prefetch_factor": p.prefetch_factor, "reason": plan.reasons.get("strategy", "")}
+            "prefetch_factor": p.prefetch_factor, "reason": plan.reasons.get("strategy", ""),
+            "timed_batches": timed_batches, "timed_samples": min(t.samples for t in timings),
+            "passes": max(t.passes for t in timings), "note": note}
+
+
+def _len_text(loader: Any) -> str:
+    """``"4-batch"``, or ``"short"`` for a loader without a length."""
+    try:
+        return f"{len(loader)}-batch"
+    except TypeError:
+        return "short"
 
 
 def _too_short(dm: OptimizedDataModule, loader: Any, error: ValueError) -> str:
@@ -439,8 +464,9 @@ def format_table(rows: list[dict[str, Any]], batch_size: int, device: torch.devi
     for r in rows:
         if r.get("samples_per_s"):
             vs = f"{r['vs_workers']:.2f}x" if r.get("vs_workers") else "-"
+            note = f" {r['note']} " if r.get("note") else " "
             lines.append(f"| {r['strategy']} | {r['samples_per_s']:,.0f} | {vs} | {r['num_workers']} | "
-                         f"{r['pin_memory']} | |")
+                         f"{r['pin_memory']} |{note}|")
         else:
             lines.append(f"| {r['strategy']} | - | - | - | - | not feasible: {r['reason']} |")
     return "\n".join(lines)

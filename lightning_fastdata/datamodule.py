@@ -250,6 +250,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.field_kinds = dict(field_kinds) if field_kinds is not None else None
         self.augment_field = augment_field
         self.augment_ahead = augment_ahead
+        self._warned_unsharded = False
         self.ragged = list(ragged) if ragged is not None else None
         self.encode = encode or None
         self.jpeg_quality = jpeg_quality
@@ -408,10 +409,23 @@ class OptimizedDataModule(L.LightningDataModule):
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def _rank_world(self) -> tuple[int, int]:
+        """This process's shard: the Trainer's, else the process group's, else the whole data.
+
+        Without either, launcher variables alone (an ``sbatch -n4`` batch step runs one
+        process with SLURM_NTASKS=4) would silently read a quarter of the data: warned instead.
+        """
         trainer = self.trainer
         if trainer is not None:
             return trainer.global_rank, trainer.world_size
-        return D.rank(), D.world_size()
+        if D.is_initialized():
+            return D.rank(), D.world_size()
+        if D.world_size() > 1 and not self._warned_unsharded:
+            self._warned_unsharded = True
+            rank_zero_warn(f"lightning_fastdata: the environment says this is rank {D.rank()} of {D.world_size()} "
+                           "(RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS), but no process group is initialised "
+                           "and no Trainer is attached: these loaders read every sample. To shard them, call "
+                           "torch.distributed.init_process_group first, or let the Trainer run them.")
+        return 0, 1
 
     def _local_place(self) -> tuple[int, int, int]:
         """(global rank, local rank, local world size) from the Trainer, else the launcher's environment."""
@@ -472,11 +486,29 @@ class OptimizedDataModule(L.LightningDataModule):
         self.placement, self.plan = placement, placement.plan
         if self.plan.num_workers_candidates:
             self._measure_workers(config, device)
+            self._unshare_unread(todo, device, config, sharing)
         self._host_memory(device)
         if self.trainer is not None:
             # The model's own batch hooks are run by this module's hooks (see on_after_batch_transfer).
             quiet_shared_hook_warnings()
         rank_zero_info(f"lightning_fastdata plan:\n{self.plan}")
+
+    def _unshare_unread(self, todo: dict[str, Store], device: torch.device, config: dict[str, Any],
+                        sharing: Sharing) -> None:
+        """``num_workers="measure"`` chose no worker: a /dev/shm copy made for the candidate workers is
+        read by this one process alone, so its splits are placed again without one (one process only:
+        ranks measure on their own, and sharing is decided together)."""
+        placement, plan = self.placement, self.plan
+        assert placement is not None and plan is not None
+        shared = {s: st for s, st in todo.items() if s in placement.segments}
+        if (not shared or plan.num_workers > 0 or sharing.mode != "auto" or sharing.local_world_size > 1
+                or self._rank_world()[1] > 1):
+            return
+        for split in shared:
+            placement.release(split)
+        again = place(shared, plan, device, config, {s: self._batch_size(s) for s in shared}, sharing=sharing)
+        placement.sources.update(again.sources)
+        placement.segments.update(again.segments)
 
     def _host_memory(self, device: torch.device) -> None:
         """Apply ``keep_freed_memory`` and record what is in force in the plan's reasons."""

@@ -47,14 +47,37 @@ def world_size() -> int:
 
 
 def local_rank() -> int:
-    """Rank of this process on its node."""
-    return _env_int(_LOCAL_RANK_VARS, rank() if world_size() == 1 else 0)
+    """Rank of this process on its node.
+
+    Without LOCAL_RANK or SLURM_LOCALID, a process group's ranks are taken to share one node
+    (as :func:`local_world_size` takes them): the local rank is the global one (a group set up
+    by ``mp.spawn`` + ``init_process_group`` made every rank local rank 0 of 2 before).
+    """
+    return _env_int(_LOCAL_RANK_VARS, rank() if world_size() == 1 or is_initialized() else 0)
+
+
+def _slurm_tasks_here() -> int | None:
+    """This node's task count from SLURM_TASKS_PER_NODE ("4(x2)", "3,2", "2(x3),1"), which Slurm
+    always sets (SLURM_NTASKS_PER_NODE only with --ntasks-per-node); None without it."""
+    value = os.environ.get("SLURM_TASKS_PER_NODE")
+    if not value:
+        return None
+    counts: list[int] = []
+    try:
+        for part in value.split(","):
+            count, _, times = part.partition("(x")
+            counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+        node = int(os.environ.get("SLURM_NODEID", "0") or 0)
+    except ValueError:
+        return None
+    return counts[node] if 0 <= node < len(counts) else None
 
 
 def local_world_size() -> int:
     """Number of processes of the job on this node."""
-    default = 1 if not is_initialized() else world_size()
-    return _env_int(_LOCAL_WORLD_VARS, default)
+    if not is_initialized():
+        return _env_int(_LOCAL_WORLD_VARS, 1)
+    return _env_int(_LOCAL_WORLD_VARS, _slurm_tasks_here() or world_size())
 
 
 def barrier() -> None:

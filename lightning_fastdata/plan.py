@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from lightning_fastdata._util import cpu_count, fmt_bytes
+from lightning_fastdata._util import cpu_count, fmt_bytes, physical_cores
 
 STRATEGIES = ("auto", "device", "chunked", "workers")
 #: Placement levels, most device memory first; a failed placement falls back one level.
@@ -57,8 +57,7 @@ def probe_resources(device: torch.device | str = "cpu", local_world_size: int = 
     """Read the machine: CPU cores (affinity-aware), RAM, this rank's device memory, /dev/shm."""
     device = torch.device(device)
     logical = cpu_count()
-    physical = psutil.cpu_count(logical=False) or logical
-    physical = min(physical, logical)
+    physical = physical_cores()
     vm = psutil.virtual_memory()
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -285,6 +284,12 @@ UNKNOWN_BATCH_BYTES = 16 << 20
 #: Slack on /dev/shm: a batch can sit there twice (the worker's copy and the pinned one
 #: in flight), and other processes of the node use it too.
 SHM_SLACK = 2
+#: Batches per rank in /dev/shm beyond its workers' prefetch: the one the training step
+#: still holds, and the next epoch's first ones, requested while the last is alive. Measured
+#: on a 64 MB /dev/shm with 25 MB batches, 1 persistent worker, prefetch 1: 4 batches at the
+#: peak (2 x 1 x 1 + 2); the plan counted 2, and the worker ran out of space in epoch 2 (a
+#: hang, not an error).
+SHM_EXTRA_BATCHES = 2
 
 
 def _auto_workers(r: Resources, batch_nbytes: int | None, prefetch: int) -> tuple[int, str]:
@@ -310,12 +315,13 @@ def _auto_workers(r: Resources, batch_nbytes: int | None, prefetch: int) -> tupl
     # ("bus error", "unable to write to file </torch_...>"), not a Python exception.
     shm = r.shm_free // ranks
     per_worker_shm = SHM_SLACK * prefetch * batch
-    by_shm = shm // per_worker_shm
+    by_shm = max(0, shm - SHM_EXTRA_BATCHES * batch) // per_worker_shm
     if by_shm < n:
         n = by_shm
         why += (f"; capped to {n} by /dev/shm: {fmt_bytes(r.shm_free)} free / {ranks} rank(s) = {fmt_bytes(shm)}, "
-                f"{fmt_bytes(per_worker_shm)} per worker ({SHM_SLACK} x {prefetch} x {fmt_bytes(batch)} "
-                f"batches in flight{guess})")
+                f"less {SHM_EXTRA_BATCHES} x {fmt_bytes(batch)} (the batch in use, the next epoch's first) = "
+                f"{fmt_bytes(max(0, shm - SHM_EXTRA_BATCHES * batch))}, {fmt_bytes(per_worker_shm)} per worker "
+                f"({SHM_SLACK} x {prefetch} x {fmt_bytes(batch)} batches in flight{guess})")
         if n == 0:
             why += "; 0 workers avoids the bus error: enlarge /dev/shm (docker run --shm-size=2g)"
     return n, why
@@ -326,7 +332,7 @@ def _memory_cap(r: Resources, batch_nbytes: int | None, prefetch: int) -> int:
     ranks = max(1, r.local_world_size)
     batch = batch_nbytes if batch_nbytes else UNKNOWN_BATCH_BYTES
     by_ram = int(WORKER_RAM_SHARE * r.ram_available / ranks) // (WORKER_RAM_BYTES + prefetch * batch)
-    by_shm = (r.shm_free // ranks) // (SHM_SLACK * prefetch * batch)
+    by_shm = max(0, r.shm_free // ranks - SHM_EXTRA_BATCHES * batch) // (SHM_SLACK * prefetch * batch)
     return min(by_ram, by_shm)
 
 

@@ -81,8 +81,12 @@ def shm_free_bytes() -> int:
 def worker_headroom(batch_nbytes: int, num_workers: int, prefetch_factor: int | None,
                     local_world_size: int) -> int:
     """Space DataLoader workers need in ``/dev/shm`` for the batches they send to their rank."""
-    in_flight = max(0, num_workers) * (prefetch_factor or 2) * max(1, local_world_size)
-    return MIN_HEADROOM + 2 * in_flight * max(0, batch_nbytes)
+    if num_workers <= 0:
+        return MIN_HEADROOM
+    ranks = max(1, local_world_size)
+    in_flight = num_workers * (prefetch_factor or 2) * ranks
+    # Each rank also holds the batch in use and the next epoch's first (plan.SHM_EXTRA_BATCHES).
+    return MIN_HEADROOM + (2 * in_flight + 2 * ranks) * max(0, batch_nbytes)
 
 
 def too_small_message(needed: int, free: int, store_nbytes: int, refused: str | None = None) -> str:

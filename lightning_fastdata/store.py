@@ -47,7 +47,7 @@ import numpy as np
 
 from lightning_fastdata import fingerprint as F
 from lightning_fastdata import locks
-from lightning_fastdata._util import pid_alive
+from lightning_fastdata._util import cpu_count, pid_alive
 from lightning_fastdata.fill import (
     Layout,
     check_space,
@@ -813,7 +813,7 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
     try:
         beat.start()
         reserve(create_fixed_files(tmp, n, infos), name, root, n, infos)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = cpu_count()
         workers = num_workers if num_workers is not None else (
             min(cores, 8) if probe.per_sample_s * n > parallel_threshold_s and cores > 1 else 0
         )

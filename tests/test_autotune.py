@@ -79,9 +79,10 @@ def test_tiny_shm_means_no_workers_and_says_how_to_fix_it():
 
 
 def test_small_shm_trades_prefetch_for_workers():
-    # 64 MB, 8 MB batches: two in flight (x2 slack) allow 2 workers, one in flight allows 4.
+    # 64 MB, 8 MB batches, 2 of them held by the rank besides its workers' (the batch in use,
+    # the next epoch's first): two in flight (x2 slack) allow 1 worker, one in flight allows 3.
     p = workers_plan(res(physical_cores=8, shm_free=64 * MB), batch_nbytes=8 * MB)
-    assert (p.num_workers, p.prefetch_factor) == (4, 1)
+    assert (p.num_workers, p.prefetch_factor) == (3, 1)
     assert "one batch in flight per worker" in p.reasons["num_workers"]
     assert p.reasons["prefetch_factor"].startswith("1: /dev/shm")
 
@@ -179,12 +180,23 @@ def test_measure_prefers_fewer_workers_within_noise(monkeypatch):
 
 
 def test_time_loader_counts_samples_after_warmup():
-    rate, samples = time_loader(_Sleepy(0.001, n=10), batches=5, warmup=2)
+    rate, samples, _, _ = time_loader(_Sleepy(0.001, n=10), batches=5, warmup=2)
     assert samples == 20 and rate > 0
-    short_rate, short = time_loader(_Sleepy(0.001, n=2), batches=5, warmup=3)
+    short_rate, short, _, _ = time_loader(_Sleepy(0.001, n=2), batches=5, warmup=3)
     assert short == 4 and short_rate > 0  # a short loader keeps one batch to time
     with pytest.raises(ValueError, match="could not time"):
         time_loader([], batches=2)
+
+
+def test_time_loader_cycles_a_short_loader_to_time_the_batches_asked_for():
+    """A 2-batch loader asked for 3 warm-up + 5 timed batches: without cycle one batch is timed
+    (and the result says so); with cycle it is drawn over 4 passes and all 5 are timed."""
+    short = time_loader(_Sleepy(0.0, n=2), batches=5, warmup=3)
+    assert (short.batches, short.samples, short.passes) == (1, 4, 1)
+    timing = time_loader(_Sleepy(0.0, n=2), batches=5, warmup=3, cycle=True)
+    assert (timing.batches, timing.samples, timing.passes) == (5, 20, 4) and timing.samples_per_s > 0
+    with pytest.raises(ValueError, match="could not time"):
+        time_loader([], batches=2, cycle=True)  # an empty loader stops, it does not spin
 
 
 def test_datamodule_measures_in_setup(cache_dir):
@@ -206,3 +218,12 @@ def test_datamodule_rejects_other_strings_for_num_workers():
         TinyDataModule(num_workers="fast")
     with pytest.raises(ValueError, match="got -1"):
         TinyDataModule(num_workers=-1)
+
+
+def test_a_dev_shm_of_two_batches_gets_no_worker():
+    # Docker's 64 MB /dev/shm and 25 MB batches: the plan allowed 1 worker at prefetch 1 (2
+    # batches); at the peak 4 sat there (the batch in use, the next epoch's first), and the
+    # worker ran out of space in epoch 2, a hang.
+    p = workers_plan(res(physical_cores=8, shm_free=64 * MB), batch_nbytes=25 * MB)
+    assert p.num_workers == 0
+    assert "less 2 x 26.2 MB (the batch in use, the next epoch's first)" in p.reasons["num_workers"]

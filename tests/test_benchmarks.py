@@ -106,6 +106,22 @@ def test_check_mode_exits_1_and_writes_nothing(tables, tmp_path, capsys):
     assert tables.main(["--check", "--root", str(tmp_path)]) == 0
 
 
+
+def test_the_chunked_vs_device_row_names_the_commit_whose_script_ran_it(tables, capsys):
+    """The README showed a gpu_check.py command the reworked script rejects, as if it reproduced the row."""
+    text = tables.other_cpu(ROOT / tables.RESULTS)
+    commit = tables.CHUNKED_VS_DEVICE_COMMIT
+    assert f"from an older script: `python benchmarks/gpu_check.py --device cpu --only throughput --epochs 5` " \
+           f"at commit {commit}" in text
+    with pytest.raises(SystemExit):
+        _module("gpu_check").main(["--device", "cpu", "--only", "throughput"])
+    assert "unrecognized arguments: --only" in capsys.readouterr().err
+    old = subprocess.run(["git", "show", f"{commit}:benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if old.returncode != 0:
+        pytest.skip(f"no git history here to read {commit} from: {old.stderr.strip()}")
+    assert '"--only"' in old.stdout and '"--epochs"' in old.stdout
+
 def test_earlier_demo_results_render_their_missing_run_as_not_measured(tables):
     old = json.loads((ROOT / "benchmarks" / "results" / "demo_h200.json").read_text())
     assert "format" not in old  # the file this conversion exists for
@@ -182,6 +198,48 @@ def test_loader_throughput_quick_writes_json(tmp_path):
     text = tables.loader_throughput(tmp_path / "res")
     assert "not measured" not in text and "quick smoke-test run" in text
 
+
+
+#: The benchmarks with a --quick smoke mode.
+QUICK_SCRIPTS = ("chunked_bandwidth", "loader_throughput", "gpu_check", "profiler_accuracy", "augment_ops",
+                 "augment_throughput", "jpeg", "volumes")
+
+
+@pytest.mark.parametrize("name", QUICK_SCRIPTS)
+def test_quick_help_says_a_smoke_run_writes_no_json_unless_given_a_path(name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+    with pytest.raises(SystemExit):
+        _module(name).main()
+    assert "with --quick nowhere unless given" in " ".join(capsys.readouterr().out.split())
+
+
+def test_quick_runs_leave_the_committed_results_alone(monkeypatch, tmp_path, capsys):
+    """The documented smoke runs wrote over benchmarks/results/*.json (then tables.py --check
+    failed). The measuring is stubbed out: what is checked is where the JSON goes."""
+    results = ROOT / "benchmarks" / "results"
+    names = ("chunked_bandwidth_cpu.json", "loader_throughput.json", "gpu_check_cpu.json", "profiler_accuracy.json")
+
+    def state() -> dict:
+        return {n: (results / n).stat().st_mtime_ns if (results / n).exists() else None for n in names}
+
+    before = state()
+    bandwidth = _module("chunked_bandwidth")
+    monkeypatch.setattr(bandwidth, "run", lambda device, quick, threads, repeats: {"quick": quick, "results": []})
+    assert bandwidth.main(["--quick", "--device", "cpu"]) == 0
+    loader = _module("loader_throughput")
+    monkeypatch.setattr(loader, "memcpy_gbps", lambda *args: 1.0)
+    loader.main(["--quick", "--shapes", ""])
+    assert _module("gpu_check").main(["--quick", "--device", "cpu", "--sections", ""]) == 0
+    profiler = _module("profiler_accuracy")
+    monkeypatch.setattr(profiler, "CASES", [])
+    profiler.main(["--quick"])
+    assert state() == before
+    assert capsys.readouterr().out.count("no JSON written (--quick;") == 4
+    # An explicit path is written.
+    assert bandwidth.main(["--quick", "--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    profiler.main(["--quick", "--out", str(tmp_path / "p.json")])
+    assert json.loads((tmp_path / "b.json").read_text())["quick"] is True
+    assert json.loads((tmp_path / "p.json").read_text())["meta"]["quick"] is True
 
 def test_loader_throughput_rejects_unknown_shape(tmp_path):
     proc = subprocess.run(

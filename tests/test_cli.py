@@ -153,6 +153,21 @@ def test_bench_marks_a_loader_too_short_to_time_as_not_feasible(tmp_path, capsys
     assert "no strategy could be measured" in err and "the training loader has 0 batches" in err
 
 
+
+def test_bench_times_the_batches_asked_for_over_several_passes_of_a_short_split(tmp_path, capsys):
+    """40 samples, batch 16: 3 batches per epoch (the last of 8). Asked for 2 warm-up + 6 timed
+    batches, the bench timed one partial batch and reported 6; it now draws 3 passes."""
+    from _cli_models import CliImages
+
+    from lightning_fastdata.cli import bench_strategy, format_table
+
+    dm = CliImages(n=40, batch_size=16, cache_dir=str(tmp_path / "cache"), device="cpu")
+    row = bench_strategy(dm, "device", torch.device("cpu"), 1, batches=6, warmup=2, repeats=2, progress=False)
+    # Timed: batches 3 (8 samples), 1, 2, 3 (8), 1, 2 of passes 1-3.
+    assert row["feasible"] and row["timed_batches"] == 6 and row["timed_samples"] == 16 * 4 + 8 * 2
+    assert row["passes"] == 3 and row["note"] == "3 passes of a 3-batch epoch"
+    assert "3 passes of a 3-batch epoch" in format_table([{**row, "vs_workers": 1.0}], 16, "cpu")
+
 def test_plan_and_bench_accept_the_fit_subcommands_own_arguments(tmp_path, capsys):
     """A config from `fastdata fit --print_config` (or Lightning's saved config.yaml) has ckpt_path, weights_only."""
     import inspect
@@ -243,6 +258,29 @@ def test_console_script_exits_with_the_message_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "batch_size must be an int > 0, got 0" in proc.stderr and "Traceback" not in proc.stderr
 
+
+
+def _demo_md_config() -> str:
+    """The YAML block of docs/demo.md's "Training from a YAML config" section."""
+    text = (Path(__file__).parents[1] / "docs" / "demo.md").read_text()
+    section = text.split("## Training from a YAML config", 1)[1]
+    return section.split("```yaml\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_yaml_config_in_docs_demo_md_trains_and_validates(tmp_path):
+    """The snippet lacked eval_augment, so validation fed uint8 images to the float model and
+    crashed ("expected scalar type Byte but found Float"). It is run as shown, on tiny data."""
+    from lightning_fastdata import augment as A
+
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(_demo_md_config())
+    cli = FastDataCLI(args=["fit", "--config", str(cfg), "--data.init_args.root", str(tmp_path / "data"),
+                            "--data.init_args.train_per_class", "2", "--data.init_args.val_per_class", "1",
+                            "--data.init_args.cache_dir", str(tmp_path / "cache"), "--trainer.fast_dev_run", "1",
+                            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+                            "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert isinstance(cli.datamodule.eval_augment, A.Normalize)
+    assert cli.trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed == 1
 
 def test_usage_lists_the_tools(capsys):
     main(["--help"])

@@ -673,3 +673,33 @@ def test_a_random_eval_augment_outside_fit_does_not_depend_on_the_epochs_fitted_
     after_fit = fitted.predict(model, datamodule=dm())
     fresh = trainer(tmp_path).predict(model, datamodule=dm())
     assert all(torch.equal(a[0], b[0]) for a, b in zip(after_fit, fresh, strict=True))
+
+
+@pytest.mark.parametrize("chosen", [0, 1])
+def test_measured_workers_keep_a_shared_copy_only_when_a_worker_reads_it(tmp_path, monkeypatch, chosen):
+    # The placement shared the store for the candidate workers before measuring; with 0
+    # workers chosen, one process held a /dev/shm copy nothing else read (the store's size).
+    from lightning_fastdata import autotune
+
+    def measure(plan, resources, config, build, device):
+        plan.num_workers = chosen
+        plan.reasons["num_workers"] = f"{chosen}: measured fastest (test)"
+
+    monkeypatch.setattr(autotune, "measure_num_workers", measure)
+    dm = TinyDataModule(n=64, batch_size=8, strategy="workers", num_workers="measure", shared_memory="auto",
+                        cache_dir=str(tmp_path / "c"), device="cpu", val=False)
+    dm.setup("fit")
+    try:
+        assert bool(dm.placement.segments) == bool(chosen)
+        assert dm.plan.reasons["shared_memory"].startswith("on: " if chosen else "not used: ")
+        loader = dm.train_dataloader()
+        assert sorted(i for b in loader for i in b.indices.tolist()) == list(range(64))
+        _close_loader(loader)
+    finally:
+        dm.teardown("fit")
+
+
+def _close_loader(loader) -> None:
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()

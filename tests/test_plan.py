@@ -15,6 +15,7 @@ from lightning_fastdata.plan import (
     Resources,
     decide,
     fall_back,
+    probe_resources,
 )
 
 GB = 10**9
@@ -164,12 +165,63 @@ def test_worker_settings_are_not_reported_in_force_where_no_worker_runs(strategy
 
 def test_a_configured_worker_count_gets_the_prefetch_its_own_count_affords():
     batch = 256 * 3 * 224 * 224  # 38.5 MB
-    # /dev/shm holds 2 x 2 batches for 4 workers at one batch in flight each: the auto count
-    # (15 workers by cores) needs one in flight, the configured 2 workers afford two.
-    r = cpu(shm=4 * 2 * batch + 1)
+    # /dev/shm holds 2 x 2 batches for 4 workers at one batch in flight each (plus the 2 a
+    # rank holds besides): the auto count (15 workers by cores) needs one in flight, the
+    # configured 2 workers afford two.
+    r = cpu(shm=(4 * 2 + 2) * batch + 1)
     auto = decide(None, r, cfg(strategy="workers", batch_nbytes=batch))
     assert auto.prefetch_factor == 1
     two = decide(None, r, cfg(strategy="workers", num_workers=2, batch_nbytes=batch))
     assert two.num_workers == 2 and two.prefetch_factor == 2
     four = decide(None, r, cfg(strategy="workers", num_workers=4, batch_nbytes=batch))
     assert four.prefetch_factor == 1 and "one batch in flight" in four.reasons["prefetch_factor"]
+
+
+def _cgroup_tree(tmp_path, proc: str, files: dict[str, str], monkeypatch) -> None:
+    """A fake /proc/self/cgroup and cgroup hierarchy for the CPU quota."""
+    from lightning_fastdata import _util
+
+    (tmp_path / "proc").write_text(proc)
+    for rel, text in files.items():
+        (tmp_path / "cg" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cg" / rel).write_text(text)
+    monkeypatch.setattr(_util, "PROC_CGROUP", str(tmp_path / "proc"))
+    monkeypatch.setattr(_util, "CGROUP_ROOT", str(tmp_path / "cg"))
+
+
+@pytest.mark.parametrize("proc,files,cores", [
+    ("0::/job\n", {"job/cpu.max": "50000 100000\n"}, 1),  # v2, a container's --cpus=0.5
+    ("0::/job/step\n", {"job/cpu.max": "100000 100000\n", "job/step/cpu.max": "max 100000\n"}, 1),  # the parent's
+    ("0::/job\n", {"job/cpu.max": "max 100000\n"}, None),  # no quota: the affinity mask
+    ("4:cpu,cpuacct:/job\n", {"cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n",
+                               "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}, 1),  # v1
+    ("4:cpu,cpuacct:/job\n", {"cpu,cpuacct/job/cpu.cfs_quota_us": "-1\n",
+                               "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}, None),
+])
+def test_the_cores_a_plan_counts_respect_a_cgroup_cpu_quota(tmp_path, monkeypatch, proc, files, cores):
+    # Only the affinity mask was read: a 64-core host running a --cpus=4 container got 63 workers.
+    import os
+
+    _cgroup_tree(tmp_path, proc, files, monkeypatch)
+    allowed = len(os.sched_getaffinity(0))
+    r = probe_resources("cpu")
+    assert r.logical_cores == (cores if cores is not None else allowed)
+    assert r.physical_cores <= r.logical_cores
+
+
+def test_hyperthread_siblings_count_as_one_physical_core(tmp_path, monkeypatch):
+    # psutil's node-wide physical count, capped by the logical CPUs of the mask, never removed
+    # siblings: 8 cores x 2 threads in the mask gave 15 workers instead of 7.
+    import os
+
+    from lightning_fastdata import _util
+
+    allowed = sorted(os.sched_getaffinity(0))
+    for k, cpu in enumerate(allowed):
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0\n")
+        (topo / "core_id").write_text(f"{k // 2}\n")  # pairs of siblings
+    monkeypatch.setattr(_util, "CPU_TOPOLOGY", str(tmp_path))
+    monkeypatch.setattr(_util, "PROC_CGROUP", str(tmp_path / "none"))
+    assert probe_resources("cpu").physical_cores == (len(allowed) + 1) // 2
