@@ -24,6 +24,7 @@ import contextlib
 import math
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata.augment_base import StoreRows
 from lightning_fastdata.placement import DeviceSource, HostSource, Source, as_tensor
@@ -373,15 +375,13 @@ class _Loader:
             gap = self.order.epoch - epoch - 1
             skipped.append(f"epoch{'s' if gap > 1 else ''} {epoch + 1}"
                            + (f" to {self.order.epoch - 1}" if gap > 1 else ""))
-        if skipped:
-            from lightning.pytorch.utilities import rank_zero_warn
-
-            rank_zero_warn(
+        if skipped and D.rank() == 0:  # every rank skips the same batches of its shard: say it once
+            warnings.warn(
                 f"lightning_fastdata: the checkpoint's training loader stopped at batch {batch} of {total} of "
                 f"epoch {epoch}, but the Trainer goes on with epoch {self.order.epoch}, so {' and '.join(skipped)} "
                 "are never seen (Lightning does this on resuming from where max_steps stopped inside an epoch). "
                 "For the batches of an uninterrupted run, resume from a checkpoint saved at an epoch's end, or "
-                "stop with max_epochs"
+                "stop with max_epochs", UserWarning, stacklevel=3
             )
 
     def _position(self) -> tuple[int, int]:

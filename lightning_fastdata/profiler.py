@@ -242,7 +242,10 @@ class DataWaitProfiler(Callback):
         return run
 
     def _trace_augment(self, trainer: L.Trainer) -> None:
-        """Time the datamodule's ``on_after_batch_transfer`` (the augmentation) for the trace, when it has one."""
+        """Time the augmentation for the trace: the datamodule's ``on_after_batch_transfer``, when it
+        has one, and an :class:`~lightning_fastdata.datamodule.OptimizedDataModule`'s loader hook,
+        which augments each batch as it is gathered (in the fetch, or ahead of the step in the
+        loader's thread with ``augment_ahead``, where the span overlaps the step's compute)."""
         dm = trainer.datamodule
         base = L.LightningDataModule.on_after_batch_transfer
         if dm is None or getattr(type(dm), "on_after_batch_transfer", base) is base:
@@ -258,6 +261,21 @@ class DataWaitProfiler(Callback):
             return out
 
         self._patches.wrap(augment, on_after_batch_transfer)
+        # OptimizedDataModule's hook, recognised by its module (the profiler sits below the data
+        # module and does not import it).
+        if getattr(getattr(type(dm), "_prepare", None), "__module__", None) == "lightning_fastdata.datamodule":
+            # Wrapped on the instance before Lightning asks for the loaders, which bind it.
+            prepare_site = door.site(dm, "_prepare")
+            prepare = prepare_site.original
+
+            def traced_prepare(batch: Any, split: str, augment: Any) -> Any:
+                t0 = clock()
+                out = prepare(batch, split=split, augment=augment)
+                if hot.active is not None:
+                    span(AUGMENT, t0, clock())
+                return out
+
+            self._patches.wrap(prepare_site, traced_prepare)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """The run stopped on an exception (Lightning skips ``teardown`` then): write the steps
@@ -552,7 +570,7 @@ class DataWaitProfiler(Callback):
         rep["epoch_time_s"] = stage.epoch_times[-1] if stage.epoch_times else 0.0
         rep["epochs"] = list(stage.epochs)
         rep.update(verdict_of(rep, self._context))
-        rep["advice"] = advise(rep, self._context) if rep["steps"] else []
+        rep["advice"] = advise(rep, self._context, stage.name) if rep["steps"] else []
         return rep
 
 

@@ -94,7 +94,7 @@ def verdict_of(summary: Mapping[str, Any], context: Mapping[str, Any] | None = N
     return {"verdict": "compute-bound", "share": summary["compute_frac"]}
 
 
-def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
+def advise(summary: Mapping[str, Any], context: Mapping[str, Any], stage: str = "train") -> list[str]:
     """Concrete advice from the measured shares and what is known of the input pipeline.
 
     Args:
@@ -102,9 +102,11 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
         context: ``plan`` (a :class:`~lightning_fastdata.plan.Plan` or None),
             ``vram_fraction``, ``loader`` (``num_workers``, ``pin_memory``, ``kind``),
             ``cores`` (CPU cores per local rank) and ``device_type``.
+        stage: "train" or "validate": which augmentation the advice names.
     """
     w, c, o = summary["data_wait_frac"], summary["compute_frac"], summary["overhead_frac"]
     wait_ms, transfer_ms = summary["data_wait_ms_mean"], summary["transfer_ms_mean"]
+    augment = "train_augment" if stage == "train" else "eval_augment"
     plan, loader = context.get("plan"), context.get("loader") or {}
     cores = int(context.get("cores") or 1)
     cuda = context.get("device_type") == "cuda"
@@ -129,9 +131,15 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
         stays_on_host = False  # the planner would refuse strategy=device for this store
         if on_device:
             if not host_bound:
+                # The data module's loader gathers and augments in its fetch (ahead of the step
+                # with augment_ahead); the transfer holds the batch hooks (and an augmentation a
+                # model hook before the transfer keeps there).
+                fetch_ms = summary["fetch_ms_mean"]
                 advice.append(f"{lead}, with the data already on the device: the wait is the batch gather and "
-                              f"on-device augmentation ({transfer_ms:.1f} of {wait_ms:.1f} ms): use a lighter "
-                              "train_augment or a larger batch")
+                              f"on-device augmentation, {wait_ms:.1f} ms a step ({fetch_ms:.1f} in the loader's "
+                              f"fetch, where the data module gathers and augments, {transfer_ms:.1f} in the "
+                              f"transfer and batch hooks): use a lighter {augment}, a larger batch, or "
+                              "augment_ahead=1 to prepare the next batch during the step")
         elif strategy in ("workers", "chunked") and store and resources is not None:
             vf = float(context.get("vram_fraction") or 0.6)
             what = "GPU" if resources.device_type == "cuda" else "device"
