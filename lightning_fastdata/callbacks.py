@@ -51,7 +51,8 @@ class FastDataCallback(Callback):
             when a loader's randomness would repeat.
         trace: Write a Chrome trace of a window of training steps to this path (see
             :class:`DataWaitProfiler`); the report names the file. None: no trace.
-        trace_steps: ``(first, count)``: the traced training steps, counted from 0 over the fit.
+        trace_steps: ``(first, count)``: the traced training steps, counted from 0 over the fit, one
+            per batch (under gradient accumulation, several make one optimizer step).
         clock: Time source in seconds (tests inject a fake one).
     """
 

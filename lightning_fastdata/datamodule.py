@@ -589,7 +589,7 @@ class OptimizedDataModule(L.LightningDataModule):
             # A model hook that runs before the transfer must see the batch before its augmentation.
             early_hooks = any(self._model_hook(h) is not None for h in _BATCH_HOOKS[:2])
             prepare = (None if augment is None or early_hooks else
-                       functools.partial(self._prepare, split=split, augment=augment))
+                       functools.partial(self._loader_augment, split=split, augment=augment))
             names = [i.name for i in store.infos]
             defer = (self._deferred_fields(source, augment, self.kinds(split, names), names)
                      if prepare is not None else frozenset())
@@ -762,7 +762,7 @@ class OptimizedDataModule(L.LightningDataModule):
         hook = self._model_hook("on_after_batch_transfer")
         return hook(out, dataloader_idx) if hook is not None else out
 
-    def _prepare(self, batch: FastBatch, split: str, augment: BatchTransform) -> FastBatch:
+    def _loader_augment(self, batch: FastBatch, split: str, augment: BatchTransform) -> FastBatch:
         """The loader's hook: augment a freshly gathered batch (ahead of the step, see ``augment_ahead``)."""
         leaves = self._augmented_leaves(batch, augment, split)
         return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)

@@ -297,7 +297,8 @@ def _auto_workers(r: Resources, batch_nbytes: int | None, prefetch: int) -> tupl
     ranks = max(1, r.local_world_size)
     per_rank = max(1, r.physical_cores // ranks)
     n = per_rank - 1
-    why = (f"{r.physical_cores} physical cores / {ranks} local rank{'s' if ranks > 1 else ''} = {per_rank} per "
+    share = str(per_rank) if r.physical_cores >= ranks else f"{r.physical_cores / ranks:.2g} (fewer than one)"
+    why = (f"{r.physical_cores} physical cores / {ranks} local rank{'s' if ranks > 1 else ''} = {share} per "
            f"rank, less one for the main process = {n}")
     if n == 0:
         return 0, why + ": batches are loaded in the main process"
@@ -408,7 +409,8 @@ def loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
 
     if plan.num_workers == 0:
         plan.prefetch_factor = None
-        plan.reasons["prefetch_factor"] = "None: no worker processes (PyTorch requires None then)"
+        plan.reasons["prefetch_factor"] = ("None: no worker processes (PyTorch requires None then)"
+                                           + ("" if pf in ("auto", None) else f" (the configured {pf} has no effect)"))
     elif pf != "auto":
         plan.prefetch_factor = int(pf)
         plan.reasons["prefetch_factor"] = f"{plan.prefetch_factor}: set by configuration"

@@ -111,7 +111,8 @@ class DataWaitProfiler(Callback):
             one is waited for; normally events complete long before.
         print_report: Print the report at the end of ``fit`` (rank 0).
         trace: Write a Chrome trace of a window of training steps to this path (None: off).
-        trace_steps: ``(first, count)``: the window, in training steps counted from 0 over the fit.
+        trace_steps: ``(first, count)``: the window, in training steps counted from 0 over the fit,
+            one per batch (under gradient accumulation, several make one optimizer step).
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, replay_steps: int = 0,
@@ -263,9 +264,9 @@ class DataWaitProfiler(Callback):
         self._patches.wrap(augment, on_after_batch_transfer)
         # OptimizedDataModule's hook, recognised by its module (the profiler sits below the data
         # module and does not import it).
-        if getattr(getattr(type(dm), "_prepare", None), "__module__", None) == "lightning_fastdata.datamodule":
+        if getattr(getattr(type(dm), "_loader_augment", None), "__module__", None) == "lightning_fastdata.datamodule":
             # Wrapped on the instance before Lightning asks for the loaders, which bind it.
-            prepare_site = door.site(dm, "_prepare")
+            prepare_site = door.site(dm, "_loader_augment")
             prepare = prepare_site.original
 
             def traced_prepare(batch: Any, split: str, augment: Any) -> Any:

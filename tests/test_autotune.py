@@ -227,3 +227,12 @@ def test_a_dev_shm_of_two_batches_gets_no_worker():
     p = workers_plan(res(physical_cores=8, shm_free=64 * MB), batch_nbytes=25 * MB)
     assert p.num_workers == 0
     assert "less 2 x 26.2 MB (the batch in use, the next epoch's first)" in p.reasons["num_workers"]
+
+
+def test_fewer_cores_than_ranks_and_an_unused_prefetch_are_said_as_they_are():
+    p = workers_plan(res(physical_cores=3, local_world_size=8), batch_nbytes=MB)
+    assert p.num_workers == 0
+    assert p.reasons["num_workers"].startswith("0: 3 physical cores / 8 local ranks = 0.38 (fewer than one) per rank")
+    q = workers_plan(res(physical_cores=1), batch_nbytes=MB, prefetch_factor=4)
+    assert q.reasons["prefetch_factor"] == ("None: no worker processes (PyTorch requires None then) (the configured 4 "
+                                            "has no effect)")

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -229,7 +231,15 @@ def test_quick_runs_leave_the_committed_results_alone(monkeypatch, tmp_path, cap
     loader = _module("loader_throughput")
     monkeypatch.setattr(loader, "memcpy_gbps", lambda *args: 1.0)
     loader.main(["--quick", "--shapes", ""])
-    assert _module("gpu_check").main(["--quick", "--device", "cpu", "--sections", ""]) == 0
+    # gpu_check quiets Lightning's loggers and every warning for its own run, process-wide:
+    # set back, or later tests' log captures come back empty.
+    levels = {n: logging.getLogger(n).level for n in ("lightning.pytorch", "lightning.fabric", "lightning")}
+    try:
+        with warnings.catch_warnings():
+            assert _module("gpu_check").main(["--quick", "--device", "cpu", "--sections", ""]) == 0
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
     profiler = _module("profiler_accuracy")
     monkeypatch.setattr(profiler, "CASES", [])
     profiler.main(["--quick"])

@@ -741,7 +741,7 @@ def test_trace_shows_the_augmentation_the_data_modules_loader_runs_in_its_fetch(
     dm = TinyDataModule(n=48, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="device",
                         val=False, train_augment=_SpendingAugment(Spend(AUGMENT, clock)))
     make_trainer(tmp_path, max_epochs=1, callbacks=[prof]).fit(TinyModel(), datamodule=dm)
-    assert "_prepare" not in vars(dm)  # the timing wrapper is gone
+    assert "_loader_augment" not in vars(dm)  # the timing wrapper is gone
     _, by_step = _spans(json.load(open(path)))
     assert sorted(by_step) == [1, 2, 3]
     for spans in by_step.values():
