@@ -25,12 +25,13 @@ import lightning as L
 import psutil
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_fastdata import _lightning as door
 from lightning_fastdata.profiler import FALLBACK_HOOKS, UNUSED_STEP_HOOKS, DataWaitProfiler
 from lightning_fastdata.report import loader_info
-from lightning_fastdata.seeding import install_worker_seeding, randomness_repeats, set_worker_epoch
+from lightning_fastdata.seeding import install_worker_seeding, randomness_repeats, set_worker_epoch, worker_seeding
 
 
 class FastDataCallback(Callback):
@@ -88,6 +89,8 @@ class FastDataCallback(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Install worker seeding, then the profiler's timers."""
         self._loaders_set_up.clear()
+        if stage == "fit":
+            self._plan_logged = False  # each fit's loggers get the data plan (a reused callback's too)
         self._install_worker_seeding(trainer)
         if self.profile:
             self.profiler.setup(trainer, pl_module, stage)
@@ -103,7 +106,7 @@ class FastDataCallback(Callback):
         ``strategy.process_dataloader``, so it is wrapped here (and restored in
         :meth:`teardown`).
         """
-        if not self.seed_workers or self._process_dataloader is not None:
+        if not (self.seed_workers or self.set_epoch) or self._process_dataloader is not None:
             return
         site = door.site(trainer.strategy, "process_dataloader")
         original = site.original
@@ -111,10 +114,33 @@ class FastDataCallback(Callback):
 
         def process_dataloader(dataloader: object) -> object:
             dataloader = original(dataloader)
-            self._seed_loader(trainer, dataloader)
+            if self.set_epoch:
+                self._early_set_epoch(trainer, dataloader)
+            if self.seed_workers:
+                self._seed_loader(trainer, dataloader)
             return dataloader
 
         trainer.strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+    def _early_set_epoch(self, trainer: L.Trainer, dataloader: object) -> None:
+        """Tell a loader being set up for a fit its epoch before Lightning first iterates it.
+
+        Lightning creates the first epoch's iterator while it sets the loader up, before any
+        epoch hook, and on a resume does not create it again: a batch sampler (or a sampler
+        read eagerly by workers) whose order follows ``set_epoch`` replayed epoch 0's order
+        in the resumed epoch. Our own loaders restore their position after this.
+        """
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        epoch = trainer.fit_loop.epoch_progress.current.processed
+        dl = dataloader
+        batch_sampler = getattr(dl, "batch_sampler", None)
+        seen: set[int] = set()
+        for obj in (getattr(dl, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None),
+                    getattr(dl, "dataset", None)):
+            if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
+                seen.add(id(obj))
+                obj.set_epoch(epoch)
 
     def _seed_loader(self, trainer: L.Trainer, dataloader: object) -> None:
         seed = _base_seed(trainer)
@@ -130,6 +156,7 @@ class FastDataCallback(Callback):
         name = split if position == 0 else f"{split}/{position}"
         if install_worker_seeding(dataloader, seed, trainer.global_rank, split=name):
             set_worker_epoch(dataloader, trainer.current_epoch)
+            worker_seeding(dataloader).dataset_epoch = self.set_epoch
             self.seeded_loaders += 1
         reason = randomness_repeats(dataloader)
         if reason is not None and not self._warned_repeats:

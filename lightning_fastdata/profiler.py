@@ -186,6 +186,11 @@ class DataWaitProfiler(Callback):
         self._trainer = trainer
         self._hot.cuda = trainer.strategy.root_device.type == "cuda"
         self._hooks = None
+        if stage == "fit":
+            # Each fit has its own figures: a callback reused for a second Trainer reported both
+            # fits mixed (a validate or test after a fit keeps the fit's).
+            self._train, self._val = Stage("train"), Stage("validate")
+            self._replayed = None
         try:
             sites = door.timing_sites(trainer)
         except door.DoorClosed as e:
@@ -360,7 +365,10 @@ class DataWaitProfiler(Callback):
         self._take_early(self._train, trainer.fit_loop)
         hot.active = self._train
         hot.n = None
-        hot.log_every = trainer.log_every_n_steps if trainer.loggers else 0
+        # Each interval's figures are reduced over ranks (a collective): under DDP every rank keeps
+        # the schedule, with a logger or not (a logger on rank 0 only made the ranks' collectives
+        # mismatch, and the run hang until the process group's timeout).
+        hot.log_every = trainer.log_every_n_steps if trainer.loggers or trainer.world_size > 1 else 0
         hot.log_in = 1 if hot.log_every else 0  # look at Lightning's step at the first batch
         hot.capture = self._replay.wants_more()
         hot.split = self._train if _several_loaders(trainer) else None
@@ -501,7 +509,10 @@ class DataWaitProfiler(Callback):
     # ------------------------------------------------------------------ logging
 
     def _log_interval(self, stage: Stage) -> None:
-        rows = stage.rows[stage.logged:stage.resolved]
+        # The steps since the last log, across an epoch's end too (an epoch shorter than the
+        # interval was missing from the series).
+        rows = stage.carry + stage.rows[stage.logged:stage.resolved]
+        stage.carry = []
         stage.logged = stage.resolved
         # One collective per logging interval: the slowest rank's figures gate the step.
         count, step, wait, compute, overhead, idle = rank_reduce.interval_means(rows)
@@ -516,6 +527,8 @@ class DataWaitProfiler(Callback):
 
     def _finish_epoch(self, trainer: L.Trainer, stage: Stage, prefix: str) -> None:
         self._events.resolve(stage, block=True)
+        if stage is self._train and self._hot.log_every:
+            stage.carry = stage.carry + stage.rows[stage.logged:stage.resolved]
         rows = rank_reduce.epoch_rows(stage.rows, self._hot.cuda)
         stage.rows = []
         stage.resolved = stage.logged = 0

@@ -147,6 +147,9 @@ class WorkerSeeding:
             # value would only fail later, inside a worker.
             self.set_epoch(epoch)
         self.followed = False
+        #: Also call the worker's copy of the dataset's ``set_epoch`` with each new epoch
+        #: (``FastDataCallback(set_epoch=True)`` sets it: it calls the main process's copy).
+        self.dataset_epoch = False
 
     @property
     def epoch(self) -> int | None:
@@ -202,6 +205,11 @@ class WorkerSeeding:
         epoch = None if raw == _UNSET else raw
         seed_libraries(self.worker_seed(_WORKER["worker"], epoch, _WORKER["base_seed"]))
         _WORKER["epoch"] = raw
+        dataset = _WORKER.get("dataset")
+        if self.dataset_epoch and epoch is not None and callable(getattr(dataset, "set_epoch", None)):
+            # The main process told its copy of the dataset; a persistent worker's copy (an
+            # IterableDataset that shuffles by its epoch) would otherwise replay epoch 0's.
+            dataset.set_epoch(epoch)
 
     def __call__(self, worker_id: int) -> None:
         info = get_worker_info()
@@ -211,6 +219,7 @@ class WorkerSeeding:
             worker=worker_id,
             epoch_view=self._epoch.numpy(),
             base_seed=info.seed if info is not None else 0,
+            dataset=info.dataset if info is not None else None,
         )
         self._reseed()
         if info is not None:
@@ -324,6 +333,12 @@ def install_worker_seeding(dataloader: Any, seed: int, rank: int, split: str = "
             break
     dl.worker_init_fn = seeding
     return True
+
+
+def worker_seeding(dataloader: Any) -> WorkerSeeding | None:
+    """The loader's :class:`WorkerSeeding` (its ``worker_init_fn``), or None."""
+    fn = getattr(_torch_loader(dataloader), "worker_init_fn", None)
+    return fn if isinstance(fn, WorkerSeeding) else None
 
 
 def set_worker_epoch(dataloader: Any, epoch: int) -> bool:

@@ -38,7 +38,7 @@ class Stage:
 
     # Slots: the fields a step touches sit together in a few cache lines, read without a dict lookup.
     __slots__ = ("name", "rows", "history", "epochs", "epoch_times", "samples", "pending", "fetch", "transfer",
-                 "prev_end", "epoch_start", "prev_event", "resolved", "logged")
+                 "prev_end", "epoch_start", "prev_event", "resolved", "logged", "carry")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -48,6 +48,8 @@ class Stage:
         self.epoch_times: list[float] = []
         self.samples = 0
         self.pending: deque[tuple[list[float], Any, Any, Any]] = deque()
+        # The last epoch's rows after its last logged interval: the next interval's mean includes them.
+        self.carry: list[Sequence[float]] = []
         self.new_epoch(None)
 
     def new_epoch(self, now: float | None) -> None:

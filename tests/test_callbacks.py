@@ -73,7 +73,7 @@ def test_set_epoch_reaches_an_iterable_dataset(tmp_path):
     cb = FastDataCallback(print_report=False)
     model = Recording()
     make_trainer(tmp_path, max_epochs=3, callbacks=[cb]).fit(model, DataLoader(stream, batch_size=4))
-    assert stream.calls == [0, 1, 2]
+    assert stream.calls == [0, 0, 1, 2]  # when Lightning sets the loader up (see the resume test), then per epoch
     assert ("loader[0].dataset", 2) in cb.set_epoch_calls
     assert len(set(model.first_of_epoch)) == 3  # a new order every epoch
 
@@ -83,7 +83,7 @@ def test_set_epoch_reaches_a_custom_batch_sampler_but_not_what_lightning_covers(
     cb = FastDataCallback(print_report=False)
     make_trainer(tmp_path, max_epochs=2, callbacks=[cb]).fit(
         SpendingModel(Spend(0.0)), DataLoader(Vectors(16), batch_sampler=sampler))
-    assert sampler.calls == [0, 1]
+    assert sampler.calls == [0, 0, 1]  # when Lightning sets the loader up, then per epoch
     assert {where for where, _ in cb.set_epoch_calls} == {"loader[0].batch_sampler"}
 
 
@@ -557,3 +557,128 @@ def test_validation_workers_of_a_plain_loader_are_seeded_per_epoch(tmp_path):
     assert draws[False] == draws[True]
     epochs = [tuple(draws[False][e]) for e in range(3)]
     assert len(set(epochs)) == 3, epochs
+
+
+# --------------------------------------------------------------------------- found by the DDP/logging review
+
+
+class EagerEpochBatchSampler(EpochBatchSampler):
+    """Builds its epoch's batches when iterated, not lazily (a DataLoader's workers also read eagerly)."""
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        return iter([order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(len(self))])
+
+
+class _Orders(SpendingModel):
+    """Records each step's (epoch, first feature of every sample)."""
+
+    def __init__(self) -> None:
+        super().__init__(Spend(0.0))
+        self.orders: list[tuple[int, list[float]]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.orders.append((self.current_epoch, [round(v, 5) for v in batch[0][:, 0].tolist()]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_resumed_fit_gives_a_batch_sampler_its_epoch_before_the_first_iteration(tmp_path):
+    # Lightning creates the iterator while it sets the loader up and, on a resume, not again:
+    # set_epoch in the epoch hooks came too late, and the resumed epoch replayed epoch 0's order.
+    def fit(epochs, ckpt=None):
+        model = _Orders()
+        t = make_trainer(tmp_path, max_epochs=epochs, num_sanity_val_steps=0,
+                         callbacks=[FastDataCallback(print_report=False, log_memory=False)])
+        t.fit(model, DataLoader(Vectors(16), batch_sampler=EagerEpochBatchSampler()), ckpt_path=ckpt)
+        return t, model
+
+    _, whole = fit(3)
+    first, _ = fit(2)
+    first.save_checkpoint(tmp_path / "end.ckpt")
+    _, resumed = fit(3, str(tmp_path / "end.ckpt"))
+    assert [o for e, o in resumed.orders] == [o for e, o in whole.orders if e == 2]
+    assert [o for e, o in whole.orders if e == 2] != [o for e, o in whole.orders if e == 0]
+
+
+def test_persistent_workers_of_an_iterable_dataset_get_each_epoch(tmp_path):
+    # set_epoch reached the main process's copy of the dataset only: persistent workers kept
+    # their epoch-0 copy and yielded the same order every epoch.
+    model = Recording()
+    loader = DataLoader(EpochStream(16), batch_size=4, num_workers=2, persistent_workers=True)
+    make_trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0,
+                 callbacks=[FastDataCallback(print_report=False, log_memory=False)]).fit(model, loader)
+    firsts = model.first_of_epoch
+    assert len(firsts) == 3
+    expected = [float(torch.randperm(16, generator=torch.Generator().manual_seed(e))[0]) for e in range(3)]
+    assert firsts == expected
+
+
+class _EpochFetch(L.Callback):
+    """Makes every fetch of epoch e spend (1 + 2e) units of the fake clock."""
+
+    def __init__(self, spend: Spend, unit: float) -> None:
+        self.spend, self.unit = spend, unit
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.spend.seconds = self.unit * (1 + 2 * trainer.current_epoch)
+
+
+def test_a_logging_interval_across_an_epochs_end_averages_all_its_steps(tmp_path):
+    # Steps after an epoch's last log were dropped at its end: the interval logged at step 7
+    # averaged steps 6-7 only (and an epoch shorter than the interval was missing altogether).
+    from _timing import FETCH, FakeClock
+
+    clock = FakeClock()
+    spend = Spend(FETCH, clock)
+    logger = CSVLogger(str(tmp_path), name="interval", version=0)
+    cb = FastDataCallback(clock=clock, print_report=False, log_memory=False)
+    t = make_trainer(tmp_path, max_epochs=2, logger=logger, log_every_n_steps=4, num_sanity_val_steps=0,
+                     callbacks=[_EpochFetch(spend, FETCH), cb])
+    t.fit(SpendingModel(Spend(0.0)), loader(24, 4, spend))  # 6 steps an epoch
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    waits = {int(r["step"]): float(r["fastdata/data_wait_ms"]) for r in rows if r.get("fastdata/data_wait_ms")}
+    ms = 1e3 * FETCH
+    assert waits == {3: ms, 7: 2 * ms, 11: 3 * ms}  # steps 0-3, 4-7 (two of each epoch), 8-11
+
+
+def test_a_callback_reused_for_a_second_fit_reports_that_fit(tmp_path):
+    cb = FastDataCallback(print_report=False, log_memory=False)
+    make_trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[cb]).fit(
+        SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    logger = CSVLogger(str(tmp_path), name="second", version=0)
+    make_trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[cb], logger=logger).fit(
+        SpendingModel(Spend(0.0)), loader(16, 4, Spend(0.0)))
+    rep = cb.report()
+    assert rep["steps"] == 4 and len(rep["stages"]["train"]["epochs"]) == 1  # not 12 steps over 3 epochs
+    hparams = yaml.safe_load(open(Path(logger.log_dir) / "hparams.yaml"))
+    assert hparams and any(k.startswith("fastdata") for k in hparams)  # the second fit's logger got the plan
+
+
+class _Rank0Logger(L.Callback):
+    """Keeps the loggers on rank 0 only, as people do to avoid duplicate runs in a tracker."""
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank != 0:
+            trainer.loggers = []
+
+
+@pytest.mark.slow
+def test_ddp_with_a_logger_on_rank_0_only_does_not_hang(tmp_path, monkeypatch):
+    # Only ranks with a logger took part in the per-interval reduction (a collective): the
+    # ranks' collectives stopped matching and the fit hung until the process group's timeout.
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    (tmp_path / "spawn-tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "spawn-tmp"))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    logger = CSVLogger(str(tmp_path), name="ddp", version=0)
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", timeout=timedelta(seconds=60))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=logger,
+                        log_every_n_steps=2, callbacks=[_Rank0Logger(), FastDataCallback(print_report=False)],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(SpendingModel(Spend(0.0)), loader(32, 4, Spend(0.0)))
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    assert len([r for r in rows if r.get("fastdata/data_wait_ms")]) == 2  # 4 steps per rank, every 2nd logged
