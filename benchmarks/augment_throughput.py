@@ -21,8 +21,10 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torchvision.transforms.v2 as T
@@ -118,7 +120,8 @@ def time_loader(images: torch.Tensor, batch: int, repeats: int, workers: int) ->
     return rates
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark with ``argv`` (default ``sys.argv[1:]``); return the report written."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
@@ -137,7 +140,7 @@ def main() -> None:
         help="write the results here (default benchmarks/results/augment_throughput.json; "
         "with --quick nowhere unless given, so a smoke test leaves the committed results alone)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.out is None and not args.quick:
         args.out = str(Path(__file__).parent / "results" / "augment_throughput.json")
     device = torch.device(args.device)
@@ -181,7 +184,14 @@ def main() -> None:
         if device.type == "cuda"
         else platform.processor(),
         "cpu_count": os.cpu_count(),
+        # The conditions of the comparison: the batched side runs in this process on
+        # torch_threads threads; each torchvision DataLoader worker runs on one (PyTorch's default).
         "torch_threads": torch.get_num_threads(),
+        "threads_arg": args.threads,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "command": " ".join([Path(sys.argv[0]).name if argv is None else "augment_throughput.py",
+                             *(sys.argv[1:] if argv is None else argv)]),
+        "quick": bool(args.quick),
         "torch": torch.__version__,
         "repeats": repeats,
         "statistic": "median samples/s over repeats, after one warm-up pass",
@@ -204,7 +214,9 @@ def main() -> None:
             f"{tv[0]:>10,.0f} {tv[1]:>10,.0f} {tv[2]:>10,.0f} "
             f"{r['torchvision_best_num_workers']:>7} {r['speedup_vs_best']:>7.1f}x"
         )
-    print(f"(samples/s, median of {repeats}; written to {args.out})")
+    print(f"(samples/s, median of {repeats}; batched side on {report['torch_threads']} torch thread(s); "
+          f"written to {args.out})")
+    return report
 
 
 if __name__ == "__main__":

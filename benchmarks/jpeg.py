@@ -12,7 +12,12 @@ reports:
 
   * ``plain``: ``torchvision.datasets.ImageFolder`` (PIL decode in ``__getitem__``) with
     torchvision v2 ``RandomResizedCrop(224)`` + ``RandomHorizontalFlip`` + ``PILToTensor``
-    per sample, in a ``DataLoader`` at its best ``num_workers`` among 0..cores;
+    per sample, in a ``DataLoader`` at its best ``num_workers`` among 0..cores, on the
+    photos as written;
+  * ``plain_256``: the same loader on the same photos shrunk once to ``max_side=256``
+    (each file re-encoded exactly as the ``max_side=256`` store keeps it), so the 256 rows
+    compare like for like: a plain loader reading 300-500 px files decodes more pixels
+    than a store of 256 px ones;
   * ``workers`` and ``device``: :class:`~lightning_fastdata.OptimizedDataModule` with
     ``strategy="workers"`` or ``"device"``, ``max_side`` None and 256; batches decoded
     with :func:`lightning_fastdata.decode.decode_jpegs` (CPU threads, or one nvJPEG call
@@ -27,8 +32,12 @@ reports:
   resized by the pool's threads with nothing else (no flip, no loader, boxes drawn
   beforehand), what any in-process pipeline on these two kernels could reach.
 
-Each throughput is measured over whole epochs after a warm-up batch (``--epochs``), and
-the JSON goes to ``benchmarks/results/jpeg.json`` (``--out``). On a shared machine
+Each throughput is measured over whole epochs after a warm-up batch (``--epochs``). Every
+fastdata pipeline also records ``setup_s`` (the run that found no cache paid its build:
+``cache_build_s/<side>``), and :func:`compare` turns the figures into per-epoch and
+whole-run ratios (plain's ``--epochs`` epochs against fastdata's cache build plus its
+epochs; the shrinking of ``plain_256``'s files counts as its build). The JSON goes to
+``benchmarks/results/jpeg.json`` (``--out``). On a shared machine
 expect noise: compare figures from one run only.
 
 Usage::
@@ -68,6 +77,10 @@ from photos import Photos, write_photos  # noqa: E402
 
 OUT_SIZE = 224
 CLASSES = 10
+#: The stores' JPEG quality (OptimizedDataModule's default), also used to shrink plain_256's files.
+QUALITY = 90
+#: The store-time cap of the second store, and of plain_256's files.
+SMALL_SIDE = 256
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,6 +129,34 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def shrink_folder(src: Path, dst: Path, max_side: int, quality: int = QUALITY) -> float:
+    """Copy the ImageFolder ``src`` to ``dst`` with every JPEG capped at ``max_side``; return the seconds.
+
+    Each file goes through the store's own encoder (:func:`lightning_fastdata.encode.encode_jpeg_leaf`),
+    so the plain loader reads the very bytes the ``max_side`` store holds: files within
+    ``max_side`` are copied as they are, the others resized (antialiased) and re-encoded.
+    The files are shared among one thread per CPU (the codecs and the resize release the
+    GIL), as a user would shrink them once before training.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from lightning_fastdata.encode import encode_jpeg_leaf
+
+    def one(f: Path) -> None:
+        data, _ = encode_jpeg_leaf(np.fromfile(f, dtype=np.uint8), quality, max_side, str(f))
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        data.tofile(out)
+
+    files = sorted(src.rglob("*.jpg"))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, cpu_count())) as pool:
+        list(pool.map(one, files))
+    return time.perf_counter() - t0
+
+
 # --------------------------------------------------------------------------- plain DataLoader
 
 
@@ -145,13 +186,13 @@ def images_per_s(batches: Callable[[], Any], epochs: int, count: Callable[[Any],
     return n / (time.perf_counter() - t0)
 
 
-def run_plain(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_plain(root: Path, args: argparse.Namespace, name: str = "plain") -> dict[str, Any]:
     per: dict[str, float] = {}
     for w in args.workers:
         loader = plain_loader(root, args.batch_size, w)
         per[str(w)] = round(images_per_s(lambda loader=loader: loader, args.epochs, lambda b: len(b[0])), 1)
         del loader
-        print(f"  plain num_workers={w}: {per[str(w)]:.0f} images/s", flush=True)
+        print(f"  {name} num_workers={w}: {per[str(w)]:.0f} images/s", flush=True)
     best = max(per, key=per.get)  # type: ignore[arg-type]
     return {"images_per_s": per[best], "best_workers": int(best), "per_workers": per}
 
@@ -168,7 +209,8 @@ def datamodule(root: Path, cache: Path, strategy: str, max_side: int | None, arg
     # The same photos the plain loader reads: the sides they were written with.
     return Photos(root=str(root), train_per_class=n, val_per_class=1, classes=CLASSES, sides=tuple(args.sides),
                   batch_size=args.batch_size,
-                  encode={"image": "jpeg"}, max_side=max_side, strategy=strategy, device=args.device,
+                  encode={"image": "jpeg"}, jpeg_quality=QUALITY, max_side=max_side, strategy=strategy,
+                  device=args.device,
                   cache_dir=str(cache), train_augment=augment(), eval_augment=None, seed=0, progress=False)
 
 
@@ -183,20 +225,26 @@ def fastdata_batches(dm: Photos, device: torch.device) -> Callable[[], Any]:
 def run_fastdata(root: Path, work: Path, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    for max_side in (None, 256):
+    for max_side in (None, SMALL_SIDE):
         for strategy in ("workers", "device"):
             name = f"{strategy}/{max_side or 'none'}"
             cache = work / f"cache-{max_side or 'none'}"
             dm = datamodule(root, cache, strategy, max_side, args)
+            # The first run at a side finds no cache and builds it; the next one reuses it. (With
+            # --data-dir a cache from an earlier invocation is found: then no run here paid the build.)
+            builds = not (cache.exists() and any(cache.iterdir()))
             t0 = time.perf_counter()
             dm.setup("fit")
             built = time.perf_counter() - t0
             rate = images_per_s(fastdata_batches(dm, device), args.epochs, lambda b: len(b["label"]), sync)
-            out[name] = {"images_per_s": round(rate, 1), "setup_s": round(built, 2),
+            out[name] = {"images_per_s": round(rate, 1), "setup_s": round(built, 2), "built_cache": builds,
                          "strategy": getattr(dm.plan, "strategy", strategy),
                          "num_workers": getattr(dm.plan, "num_workers", None)}
-            print(f"  {name}: {rate:.0f} images/s (setup {built:.1f} s)", flush=True)
-            if strategy == "device" and max_side == 256:
+            if builds:
+                out[f"cache_build_s/{max_side or 'none'}"] = round(built, 2)
+            print(f"  {name}: {rate:.0f} images/s (setup {built:.1f} s{', cache built' if builds else ''})",
+                  flush=True)
+            if strategy == "device" and max_side == SMALL_SIDE:
                 out["profile_device_256"] = profile(dm, device, sync)
                 if device.type == "cpu":
                     out["kernels_256"] = kernels_ceiling(dm, args.epochs)
@@ -326,16 +374,68 @@ def run_dali(root: Path, args: argparse.Namespace) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- report
 
 
+def _side(name: str) -> str:
+    """The store side of a fastdata figure: ``"none"`` or ``"256"`` (``kernels_256`` -> ``"256"``)."""
+    return name.rsplit("/", 1)[1] if "/" in name else name.rsplit("_", 1)[1]
+
+
+def compare(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each fastdata figure against the plain loader that read the same files, per epoch and per run.
+
+    A ``max_side=256`` figure is compared with ``plain_256`` (the same photos shrunk once to
+    256 px) when the result has it; a result from before that side existed compares it with
+    ``plain`` on the full-size files, and says so (``like_for_like`` False): that plain
+    loader decodes more pixels per image than the store holds.
+
+    The whole run is ``meta.epochs`` epochs of ``sizes.images`` at each side's images/s (the
+    warm-up batch left out on both sides) plus its one-time work: fastdata's cache build
+    (paid by the first pipeline at that side, ``built_cache``; in results from before that
+    was recorded, the first listed) and its own set-up when it found the cache; for
+    ``plain_256``, shrinking the files. The plain loader's worker start-up is in neither.
+
+    Returns:
+        figure name -> ``images_per_s``, ``baseline`` (``"plain"`` or ``"plain_256"``),
+        ``like_for_like``, ``per_epoch`` (the images/s ratio), and, for the loader
+        pipelines, ``cache_build_s``, ``built_cache`` (this pipeline paid it), ``plain_run_s``,
+        ``fastdata_run_s`` and ``whole_run`` (plain's seconds over fastdata's).
+    """
+    fast, n, epochs = results["fastdata"], results["sizes"]["images"], results["meta"]["epochs"]
+    pipelines = [k for k, v in fast.items() if isinstance(v, dict) and "/" in k and "images_per_s" in v]
+    out: dict[str, dict[str, Any]] = {}
+    for name, v in fast.items():
+        if not (isinstance(v, dict) and "images_per_s" in v):
+            continue
+        side = _side(name)
+        small = side != "none" and bool(results.get("plain_256"))
+        base = results["plain_256" if small else "plain"]
+        row: dict[str, Any] = {"images_per_s": v["images_per_s"], "baseline": "plain_256" if small else "plain",
+                               "like_for_like": side == "none" or small,
+                               "per_epoch": round(v["images_per_s"] / base["images_per_s"], 2)}
+        if name in pipelines:
+            same = [k for k in pipelines if _side(k) == side]
+            builder = next((k for k in same if fast[k].get("built_cache")), None)
+            if builder is None and not any("built_cache" in fast[k] for k in same):
+                builder = same[0]  # an older result: the first pipeline at a side built its cache
+            build = fast[builder]["setup_s"] if builder else None
+            own = 0.0 if name == builder else v["setup_s"]
+            fastdata_s = (build or 0.0) + own + epochs * n / v["images_per_s"]
+            plain_s = base.get("shrink_s", 0.0) + epochs * n / base["images_per_s"]
+            row.update(cache_build_s=build, built_cache=name == builder, plain_run_s=round(plain_s, 2),
+                       fastdata_run_s=round(fastdata_s, 2), whole_run=round(plain_s / fastdata_s, 2))
+        out[name] = row
+    return out
+
+
 def ratios(results: dict[str, Any]) -> dict[str, float]:
-    plain = results["plain"]["images_per_s"]
-    return {name: round(v["images_per_s"] / plain, 2) for name, v in results["fastdata"].items()
-            if isinstance(v, dict) and "images_per_s" in v}
+    """Per-epoch images/s ratios against each figure's baseline (see :func:`compare`)."""
+    return {name: c["per_epoch"] for name, c in compare(results).items()}
 
 
 def table(results: dict[str, Any]) -> str:
-    """The markdown table of a result (also rendered into docs/jpeg.md by benchmarks/tables.py)."""
+    """The markdown table of a result, printed at the end of a run (docs/jpeg.md's is benchmarks/tables.py's)."""
     s = results["sizes"]
     mb = 1e6
+    epochs = results["meta"]["epochs"]
     lines = [
         f"{s['images']} JPEG photos, sides {results['meta']['sides'][0]}-{results['meta']['sides'][1]} px, "
         f"on {results['meta']['device']} ({results['meta']['device_name']}, {results['meta']['cpu_count']} CPUs), "
@@ -346,26 +446,34 @@ def table(results: dict[str, Any]) -> str:
         f"| JPEG files | {s['jpeg_files'] / mb:.1f} | 1.00 |",
         f"| decoded (3 x H x W) | {s['decoded'] / mb:.1f} | {s['decoded'] / s['jpeg_files']:.2f} |",
     ]
+    small = results.get("plain_256")
+    if small:
+        lines.append(f"| JPEG files shrunk to {SMALL_SIDE} px (plain_256) | {small['jpeg_files'] / mb:.1f} | "
+                     f"{small['jpeg_files'] / s['jpeg_files']:.2f} |")
     for key in ("none", "256"):
         b = results["fastdata"].get(f"store_bytes/{key}")
         if b is not None:
             lines.append(f"| store, max_side={key} | {b / mb:.1f} | {b / s['jpeg_files']:.2f} |")
-    lines += ["", "| pipeline (224x224 uint8 out) | images/s | vs plain |", "|---|---:|---:|"]
+    lines += ["", f"| pipeline (224x224 uint8 out) | images/s | vs its plain, per epoch | cache build s | "
+                  f"whole {epochs}-epoch run vs its plain |", "|---|---:|---:|---:|---:|"]
     p = results["plain"]
-    lines.append(f"| plain DataLoader, PIL + torchvision per sample (best num_workers={p['best_workers']}) | "
-                 f"{p['images_per_s']:.0f} | 1.00 |")
-    r = ratios(results)
-    for name, v in results["fastdata"].items():
-        if isinstance(v, dict) and "images_per_s" in v and "/" in name:
-            strategy, side = name.split("/")
-            lines.append(f"| fastdata {strategy}, max_side={side} | {v['images_per_s']:.0f} | {r[name]:.2f} |")
-    kern = results["fastdata"].get("kernels_256")
-    if kern:
-        lines.append(f"| ceiling: the decode + resize kernels alone, max_side=256, {kern['threads']} thread(s) "
-                     f"(no flip, no framework) | {kern['images_per_s']:.0f} | {r['kernels_256']:.2f} |")
+    lines.append(f"| plain DataLoader, PIL + torchvision per sample, full-size files (best num_workers="
+                 f"{p['best_workers']}) | {p['images_per_s']:.0f} | 1.00 | | |")
+    if small:
+        lines.append(f"| plain_256: the same on the files shrunk to {SMALL_SIDE} px (best num_workers="
+                     f"{small['best_workers']}) | {small['images_per_s']:.0f} | 1.00 | {small['shrink_s']:.2f} "
+                     "(shrinking) | |")
+    for name, c in compare(results).items():
+        label = (f"fastdata {name.replace('/', ', max_side=')}" if "/" in name else
+                 f"ceiling: the decode + resize kernels alone, max_side=256, "
+                 f"{results['fastdata'][name]['threads']} thread(s) (no flip, no framework)")
+        vs = f"{c['per_epoch']:.2f}" + ("" if c["like_for_like"] else " (vs full-size plain: not like for like)")
+        build = "" if c.get("cache_build_s") is None else f"{c['cache_build_s']:.2f}"
+        whole = "" if "whole_run" not in c else f"{c['whole_run']:.2f}"
+        lines.append(f"| {label} | {c['images_per_s']:.0f} | {vs} | {build} | {whole} |")
     if results.get("dali"):
         d = results["dali"]["images_per_s"]
-        lines.append(f"| DALI (GPU decode + crop) | {d:.0f} | {d / p['images_per_s']:.2f} |")
+        lines.append(f"| DALI (GPU decode + crop) | {d:.0f} | {d / p['images_per_s']:.2f} | | |")
     prof = results["fastdata"].get("profile_device_256")
     if prof:
         lines += ["", f"device strategy, max_side=256, time split: gather {prof['gather']:.0%}, "
@@ -402,9 +510,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["sizes"] = jpeg_sizes(photos / "train")
         print("plain DataLoader:", flush=True)
         results["plain"] = run_plain(photos / "train", args)
+        # The same photos shrunk once to the small store's side, for a like-for-like 256 comparison.
+        small = work / f"photos-{SMALL_SIDE}"
+        shrink_s = shrink_folder(photos / "train", small, SMALL_SIDE)
+        print(f"plain DataLoader on the photos shrunk to {SMALL_SIDE} px (shrinking {shrink_s:.1f} s):", flush=True)
+        results["plain_256"] = {**run_plain(small, args, name="plain_256"), "shrink_s": round(shrink_s, 2),
+                                "jpeg_files": folder_bytes(small)}
         print("fastdata:", flush=True)
         results["fastdata"] = run_fastdata(work / "photos", work, args, device)
         results["ratios"] = ratios(results)
+        results["compare"] = compare(results)
         results["dali"] = run_dali(photos / "train", args) if device.type == "cuda" else None
     finally:
         if args.data_dir is None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_fastdata.keys import SampleKeys
+from lightning_fastdata.keys import BoundedCache, SampleKeys
 
 KINDS = ("image", "mask", "other")
 
@@ -552,26 +552,32 @@ def host_shortcuts(device: torch.device) -> bool:
     return HOST_SHORTCUTS and device.type == "cpu"
 
 
-_CONSTANTS: dict[tuple[Any, ...], torch.Tensor] = {}
+#: Past this many constants the cache is emptied: some hold an input size (the affine grid's
+#: half extents, a crop's offset range), one per size of a ragged list; a fixed pipeline
+#: needs a few dozen.
+_CONSTANTS_MAX = 256
+_CONSTANTS: BoundedCache = BoundedCache(_CONSTANTS_MAX)
 
 
 def const(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A small constant tensor, made once per (values, device, dtype).
+    """A small constant tensor, made once per (values, device, dtype) (while cached).
 
     ``torch.tensor(list, device=cuda)`` copies from pageable host memory and blocks the
     host; this builds the tensor with fills (kernel launches only), once.
     """
     key = (tuple(float(v) for v in values), str(device), dtype)
     out = _CONSTANTS.get(key)
-    if out is None:
-        if device.type == "cpu":
-            out = torch.tensor(key[0], dtype=dtype)
-        else:
-            out = torch.empty(len(key[0]), dtype=dtype, device=device)
-            for i, v in enumerate(key[0]):
-                out[i].fill_(v)
-        _CONSTANTS[key] = out
-    return out
+    if out is not None:
+        if device.type == "cuda":
+            _CONSTANTS.pin(key, out)  # a CUDA graph being captured reads it at every replay
+        return out
+    if device.type == "cpu":
+        out = torch.tensor(key[0], dtype=dtype)
+    else:
+        out = torch.empty(len(key[0]), dtype=dtype, device=device)
+        for i, v in enumerate(key[0]):
+            out[i].fill_(v)
+    return _CONSTANTS.put(key, out)
 
 
 def _int(value: Any) -> int | None:

@@ -22,13 +22,16 @@ from lightning_fastdata.augment_base import (
     const,
     finite_float,
     host_shortcuts,
+    int_seq,
     keep_format,
     per_dim,
     refuse_unfit_fill,
     scratch,
     spatial_arg,
+    volume_hint,
 )
 from lightning_fastdata.augment_lists import canvas, groups, lead_shape, scatter, take
+from lightning_fastdata.keys import BoundedCache
 
 
 def _fill_border(src: torch.Tensor, py: int, px: int, h: int, w: int, fill: float) -> None:
@@ -53,23 +56,25 @@ def _fill_border(src: torch.Tensor, py: int, px: int, h: int, w: int, fill: floa
         gaps.fill_(fill)
 
 
-_GRIDS: dict[tuple, torch.Tensor] = {}
+#: Row grids per window geometry (one per input size of a ragged list): emptied past 64, the
+#: ones a CUDA graph captured kept (see ``BoundedCache``).
+_GRIDS: BoundedCache = BoundedCache(64)
 
 
 def _row_grid(m: int, plane: int, size: tuple[int, ...], strides: list[int], device: torch.device) -> torch.Tensor:
     """Offsets of a window's rows from its corner: (m, *size) int64, cached per geometry."""
     key = (m, plane, size, tuple(strides), str(device))
     grid = _GRIDS.get(key)
-    if grid is None:
-        grid = (torch.arange(m, device=device) * plane).view(m, *[1] * len(size))
-        for d, (extent, stride) in enumerate(zip(size, strides, strict=True)):
-            shape = [1] * (len(size) + 1)
-            shape[d + 1] = extent
-            grid = grid + (torch.arange(extent, device=device) * stride).view(shape)
-        if len(_GRIDS) > 64:
-            _GRIDS.clear()
-        _GRIDS[key] = grid
-    return grid
+    if grid is not None:
+        if device.type == "cuda":
+            _GRIDS.pin(key, grid)
+        return grid
+    grid = (torch.arange(m, device=device) * plane).view(m, *[1] * len(size))
+    for d, (extent, stride) in enumerate(zip(size, strides, strict=True)):
+        shape = [1] * (len(size) + 1)
+        shape[d + 1] = extent
+        grid = grid + (torch.arange(extent, device=device) * stride).view(shape)
+    return _GRIDS.put(key, grid)
 
 
 def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: int,
@@ -268,6 +273,40 @@ def _cut_images(image_cut: ImageCut | None, offset: torch.Tensor, size: tuple[in
     return lambda x, rows: keep_format(image_cut(x, rows, offset, size, mirror), x)
 
 
+def _padding_arg(value: int | Sequence[int]) -> tuple[int, ...]:
+    """``RandomCrop``'s padding as given: 1, 2 or 4 ints (images, as torchvision) or 3
+    (volumes), each >= 0; what they mean depends on the batch (``_padding_sides``)."""
+    out = int_seq(value, "padding", "an int or a sequence of ints")
+    if len(out) not in (1, 2, 3, 4):
+        raise ValueError(f"RandomCrop padding must be an int, (left/right, top/bottom) or (left, top, right, "
+                         f"bottom) for images, or (d, h, w) for volumes; got {value!r}")
+    if min(out) < 0:
+        raise ValueError(f"RandomCrop padding must be >= 0, got {value!r}")
+    return out
+
+
+def _padding_sides(padding: tuple[int, ...], sd: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per spatial dim, the padding before and after: torchvision's reading for images (a
+    pair is (left/right, top/bottom), four are (left, top, right, bottom)), one value per
+    dim (d, h, w) for volumes."""
+    if len(padding) == 1:
+        return padding * sd, padding * sd
+    if sd == 2 and len(padding) == 2:
+        lr, tb = padding
+        return (tb, lr), (tb, lr)
+    if sd == 2 and len(padding) == 4:
+        left, top, right, bottom = padding
+        return (top, left), (bottom, right)
+    if sd == 3 and len(padding) == 3:
+        return padding, padding
+    if sd == 2:
+        raise ValueError(f"RandomCrop padding={padding} has {len(padding)} values but the batch has 2 spatial dims; "
+                         "give an int, (left/right, top/bottom) or (left, top, right, bottom), as torchvision"
+                         + volume_hint(len(padding), sd))
+    raise ValueError(f"RandomCrop padding={padding} has {len(padding)} values but the batch has {sd} spatial dims; "
+                     "give an int or (d, h, w), each padded on both sides of its axis")
+
+
 class RandomCrop(BatchTransform):
     """Crop each sample at its own random position, after optional constant padding.
 
@@ -278,9 +317,16 @@ class RandomCrop(BatchTransform):
     torchvision's ``RandomCrop(pad_if_needed=True)`` does; a list of samples of varying
     sizes (a ragged batch) then becomes one batch tensor, each sample padded as it needs.
 
+    ``padding`` reads as torchvision's for images: an int pads every side, a pair is
+    (left/right, top/bottom), i.e. (w, h), and four values are (left, top, right, bottom);
+    so ``padding=(4, 0)`` pads columns only, as ``T.RandomCrop(size, padding=(4, 0))``
+    does. ``size`` stays (h, w), as torchvision's. For volumes an int pads every side and
+    three values are (d, h, w), each on both sides of its axis.
+
     Args:
         size: Output size: an int for every spatial dim, (h, w) or (d, h, w).
-        padding: Added on both sides of every spatial dim (int), or per dim.
+        padding: Images: int, (left/right, top/bottom) or (left, top, right, bottom);
+            volumes: int or (d, h, w).
         fill: Constant for the images' padding.
         pad_if_needed: Pad samples smaller than ``size`` instead of refusing them.
     """
@@ -290,28 +336,31 @@ class RandomCrop(BatchTransform):
     def __init__(self, size: int | Sequence[int], padding: int | Sequence[int] = 0, fill: float = 0,
                  pad_if_needed: bool = False) -> None:
         self.size = spatial_arg(size, "size", lowest=1)
-        self.padding = spatial_arg(padding, "padding")
+        self.padding = _padding_arg(padding)
         if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
             raise TypeError(f"RandomCrop fill must be a number, got {fill!r}")
         self.fill = fill
         self.pad_if_needed = bool(pad_if_needed)
 
-    def _pads(self, sd: int, spatial: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """(size, padding on each side, padded size) per dim for one input size."""
+    def _pads(self, sd: int, spatial: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                                              tuple[int, ...]]:
+        """(size, padding before, padding after, padded size) per dim for one input size."""
         size = per_dim(self.size, sd, "size", "RandomCrop")
-        pad = per_dim(self.padding, sd, "padding", "RandomCrop")
+        lo, hi = _padding_sides(self.padding, sd)
         if self.pad_if_needed:
             # torchvision adds the shortfall on BOTH sides (the crop then starts anywhere in it).
-            pad = tuple(p + max(0, c - (s + 2 * p)) for p, c, s in zip(pad, size, spatial, strict=True))
-        padded = tuple(s + 2 * p for s, p in zip(spatial, pad, strict=True))
-        return size, pad, padded
+            need = [max(0, c - (s + a + b)) for c, s, a, b in zip(size, spatial, lo, hi, strict=True)]
+            lo = tuple(a + e for a, e in zip(lo, need, strict=True))
+            hi = tuple(b + e for b, e in zip(hi, need, strict=True))
+        padded = tuple(s + a + b for s, a, b in zip(spatial, lo, hi, strict=True))
+        return size, lo, hi, padded
 
-    def _geometry(self, batch: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        size, pad, padded = self._pads(batch.spatial_dims, batch.spatial_size)
+    def _geometry(self, batch: Batch) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        size, lo, hi, padded = self._pads(batch.spatial_dims, batch.spatial_size)
         if any(c > s for c, s in zip(size, padded, strict=True)):
             raise ValueError(f"RandomCrop size {size} is larger than the padded input {padded}; "
                              "lower size, add padding or set pad_if_needed=True")
-        return size, pad, padded
+        return size, lo, hi, padded
 
     def window_size(self, batch: Batch) -> tuple[int, ...]:
         """The window's size, one entry per spatial dim of ``batch`` (a batch tensor)."""
@@ -326,15 +375,15 @@ class RandomCrop(BatchTransform):
         refuse_unfit_fill(batch, [self.fill], "RandomCrop", self.fill, truncated=True)  # torch truncates a fraction
 
     def _list_geometry(self, batch: Batch) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """A ragged batch: the size, and each sample's padding and padded size."""
+        """A ragged batch: the size, and each sample's padding before and padded size."""
         sd = batch.spatial_dims
         pads, padded = [], []
         for i, spatial in enumerate(batch.spatial_size):
-            size, pad, full = self._pads(sd, spatial)
+            size, lo, _, full = self._pads(sd, spatial)
             if any(c > s for c, s in zip(size, full, strict=True)):
                 raise ValueError(f"RandomCrop size {size} is larger than sample {i} padded, {full}; lower size, "
                                  "add padding or set pad_if_needed=True")
-            pads.append(pad)
+            pads.append(lo)  # the sample's corner on its canvas; the canvas's fill covers the far side
             padded.append(full)
         return size, pads, padded
 
@@ -347,7 +396,7 @@ class RandomCrop(BatchTransform):
             highs = torch.tensor([[p - s + 1 for p, s in zip(full, size, strict=True)] for full in padded],
                                  dtype=torch.float64).to(u.device, non_blocking=True)
             return {"offset": torch.minimum(torch.floor(u * highs), highs - 1).long()}
-        size, _, padded = self._geometry(batch)
+        size, _, _, padded = self._geometry(batch)
         return {"offset": batch.keys.integers(0, [p - s + 1 for p, s in zip(padded, size, strict=True)])}
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
@@ -362,9 +411,14 @@ class RandomCrop(BatchTransform):
             if image_cut is not None:
                 raise ValueError("RandomCrop image_cut needs a batch tensor, not a list of samples")
             return self._apply_list(batch, offset, flip)
-        size, pad, _ = self._geometry(batch)
-        if image_cut is not None and any(pad):
-            raise ValueError(f"RandomCrop image_cut reads unpadded windows, but the crop pads by {pad}")
+        size, lo, hi, _ = self._geometry(batch)
+        if image_cut is not None and any(lo + hi):
+            raise ValueError(f"RandomCrop image_cut reads unpadded windows, but the crop pads by {self.padding}")
+        # The cut pads both sides of an axis alike: uneven padding is cut from the input padded
+        # by the larger side, the window moved by the difference (the extra margin is never read).
+        pad = tuple(max(a, b) for a, b in zip(lo, hi, strict=True))
+        if pad != lo:
+            offset = offset + const([p - a for p, a in zip(pad, lo, strict=True)], offset.device, offset.dtype)
         flip = _flip_columns(flip)
 
         def crop(fill: float):

@@ -789,7 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="where fastdata's cache is built, in a fresh folder removed at exit "
         "(default <data-dir>/cache)",
     )
-    p.add_argument("--epochs", type=int, default=2, help="epochs per run (default %(default)s)")
+    p.add_argument("--epochs", type=int, default=2,
+                   help="epochs per run, at least 2: the last one is timed (default %(default)s)")
     p.add_argument(
         "--batch-size", type=int, default=None, help="batch size (default 128, 32 with --quick)"
     )
@@ -805,8 +806,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json-out", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
-    if args.epochs < 1:
-        p.error(f"--epochs must be >= 1, got {args.epochs}")
+    if args.epochs < 2:
+        # The report's epoch rows time the last epoch; with one epoch that is the first, which
+        # includes the plain DataLoader's worker start-up but not fastdata's set-up (done before it).
+        p.error(f"--epochs must be >= 2, got {args.epochs}: the epoch time reported is the last "
+                "epoch's, and the first also times the plain DataLoader starting its workers "
+                "(fastdata sets up before it), so the two sides are not timed alike; use --epochs 2 or more")
     if args.batch_size is None:
         args.batch_size = 32 if args.quick else 128
     if args.batch_size < 1:

@@ -96,6 +96,52 @@ def mix64_np_(z: np.ndarray) -> np.ndarray:
     return z
 
 
+class BoundedCache(dict):
+    """A dict of small constants (tensors or arrays) made once per key, emptied when a new
+    entry would take it past ``entries`` keys or ``nbytes`` bytes.
+
+    Keys that hold an input size (one per image size of a ragged list) would otherwise pile
+    up without end; a few fixed sizes never reach the bound, and a hit stays a plain
+    ``dict.get``. Entries read or made while a CUDA graph is being captured (``pin``) are
+    kept across the emptying: the graph reads their memory at every replay, and freed it
+    could be handed to another tensor.
+    """
+
+    def __init__(self, entries: int, nbytes: int = 1 << 62) -> None:
+        super().__init__()
+        self.entries, self.nbytes = int(entries), int(nbytes)
+        self.held = 0  # bytes of the entries
+        self._pinned: dict = {}
+
+    def put(self, key: object, value: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """Store ``value`` under ``key``, first emptying the cache (but its pinned entries)
+        if it is full; returns ``value``."""
+        size = _nbytes(value)
+        if len(self) >= self.entries or self.held + size > self.nbytes:
+            self.clear()
+            self.update(self._pinned)
+            self.held = sum(_nbytes(v) for v in self._pinned.values())
+        self[key] = value
+        self.held += size
+        self.pin(key, value)
+        return value
+
+    def pin(self, key: object, value: torch.Tensor | np.ndarray) -> None:
+        """Keep ``key`` for good if a CUDA graph is being captured on the current stream
+        (cheap to call on every hit: one attribute read for a host value)."""
+        if _in_capture(value):
+            self._pinned[key] = value
+
+
+def _in_capture(value: object) -> bool:
+    """Whether ``value`` is a CUDA tensor used while a CUDA graph is captured on the current stream."""
+    return isinstance(value, torch.Tensor) and value.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _nbytes(value: torch.Tensor | np.ndarray) -> int:
+    return value.nbytes if isinstance(value, np.ndarray) else value.numel() * value.element_size()
+
+
 #: On the CPU the hash runs in numpy: unsigned 64-bit ops, a third of the dispatches and
 #: several times faster per element than int64 torch ops. Both give the same bits.
 USE_NUMPY_ON_CPU = True
@@ -114,7 +160,11 @@ def scramble(index: torch.Tensor) -> torch.Tensor:
     return mix64_(index.mul(_GOLDEN_S).add_(_GOLDEN_S))
 
 
-_COUNTERS: dict[tuple[int, str], torch.Tensor] = {}
+#: Counter arrays for k up to this many elements are cached (32 KiB each at most); caches of
+#: them and of other per-size constants are bounded: k is one image's element count for
+#: ``normal``, so a ragged list brings a new k with every new size.
+_COUNTERS_MAX_K = 4096
+_COUNTERS: BoundedCache = BoundedCache(64, 1 << 20)
 
 
 def _counters(k: int, device: torch.device) -> torch.Tensor:
@@ -123,12 +173,14 @@ def _counters(k: int, device: torch.device) -> torch.Tensor:
     out = _COUNTERS.get(key)
     if out is None:
         out = torch.arange(1, k + 1, dtype=torch.int64, device=device).mul_(_GOLDEN_S)
-        if k <= 4096:
-            _COUNTERS[key] = out
+        if k <= _COUNTERS_MAX_K:
+            _COUNTERS.put(key, out)
+    elif device.type == "cuda":
+        _COUNTERS.pin(key, out)
     return out
 
 
-_COUNTERS_NP: dict[int, np.ndarray] = {}
+_COUNTERS_NP: BoundedCache = BoundedCache(64, 1 << 20)
 
 
 def _counters_np(k: int) -> np.ndarray:
@@ -136,8 +188,8 @@ def _counters_np(k: int) -> np.ndarray:
     out = _COUNTERS_NP.get(k)
     if out is None:
         out = np.arange(1, k + 1, dtype=np.uint64) * np.uint64(GOLDEN)
-        if k <= 4096:
-            _COUNTERS_NP[k] = out
+        if k <= _COUNTERS_MAX_K:
+            _COUNTERS_NP.put(k, out)
     return out
 
 
@@ -151,21 +203,25 @@ def _hash_np(scrambled: torch.Tensor, h: int, k: int | None) -> np.ndarray:
     return mix64_np_(z)
 
 
-_HOST_CONSTANTS: dict[tuple, torch.Tensor] = {}
+#: ``integers``' highs hold the input size (a crop's offset range): bounded as the counters.
+_HOST_CONSTANTS: BoundedCache = BoundedCache(256)
 
 
 def _host_constant(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """float64 constants on an accelerator, made once with fills (no blocking host copy)."""
     key = (tuple(values), str(device))
     out = _HOST_CONSTANTS.get(key)
-    if out is None and device.type == "cpu":
-        out = _HOST_CONSTANTS[key] = torch.tensor(values, dtype=torch.float64)
-    if out is None:
+    if out is not None:
+        if device.type == "cuda":
+            _HOST_CONSTANTS.pin(key, out)
+        return out
+    if device.type == "cpu":
+        out = torch.tensor(values, dtype=torch.float64)
+    else:
         out = torch.empty(len(values), dtype=torch.float64, device=device)
         for i, v in enumerate(values):
             out[i].fill_(float(v))
-        _HOST_CONSTANTS[key] = out
-    return out
+    return _HOST_CONSTANTS.put(key, out)
 
 
 def hash_bits(scrambled: torch.Tensor, h: int | torch.Tensor, k: int | None) -> torch.Tensor:

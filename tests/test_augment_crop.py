@@ -34,13 +34,22 @@ def _batch(shape, dtype=torch.uint8, seed=0):
     return torch.randn(shape, generator=g).to(dtype)
 
 
+def _tv_sides(padding):
+    """torchvision's reading of a 2-D RandomCrop padding as ((top, bottom), (left, right))."""
+    p = (padding,) if isinstance(padding, int) else tuple(padding)
+    left, top, right, bottom = {1: p * 4, 2: (p[0], p[1], p[0], p[1]), 4: p}[len(p)]
+    return (top, bottom), (left, right)
+
+
 def _reference_crop(x, offset, size, padding, fill, flip=None):
-    """F.pad, then one slice per sample (and a mirror): the plain, obviously right version."""
+    """F.pad, then one slice per sample (and a mirror): the plain, obviously right version.
+    ``padding`` per spatial dim: an int (both sides) or a pair (before, after)."""
     sd = len(size)
     n = x.shape[0]
     lead = x.shape[1:x.ndim - sd]
     flat = x.reshape(n, -1, *x.shape[x.ndim - sd:])
-    pads = [p for d in reversed(range(sd)) for p in (padding[d], padding[d])]
+    sides = [(p, p) if isinstance(p, int) else tuple(p) for p in padding]
+    pads = [p for d in reversed(range(sd)) for p in sides[d]]
     if x.dtype == torch.uint16:
         xp = F.pad(flat.to(torch.int32), pads, value=fill).to(torch.uint16)
     else:
@@ -56,7 +65,7 @@ def _reference_crop(x, offset, size, padding, fill, flip=None):
 @pytest.mark.usefixtures("both_paths")
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16, torch.int16, torch.uint16])
 @pytest.mark.parametrize("shape", [(9, 3, 10, 12), (4, 1, 4, 4)])
-@pytest.mark.parametrize("padding", [(0, 0), (2, 1), (3, 3)])
+@pytest.mark.parametrize("padding", [(0, 0), (2, 1), (3, 3), (1, 2, 3, 0), (0, 0, 2, 1)])
 def test_random_crop_matches_pad_then_slice(dtype, shape, padding):
     x = _batch(shape, dtype)
     h, w = shape[-2], shape[-1]
@@ -65,7 +74,7 @@ def test_random_crop_matches_pad_then_slice(dtype, shape, padding):
     out = crop(x, keys(shape[0], seed=1))
     offset = crop.draw(x, keys(shape[0], seed=1))["offset"]
     assert out.dtype == x.dtype and offset.shape == (shape[0], 2)
-    assert torch.equal(out, _reference_crop(x, offset, size, padding, 7))
+    assert torch.equal(out, _reference_crop(x, offset, size, _tv_sides(padding), 7))
 
 
 @pytest.mark.usefixtures("both_paths")
@@ -126,7 +135,8 @@ def test_random_crop_offsets_are_uniform():
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
-@pytest.mark.parametrize("size,padding", [((32, 32), (4, 4)), ((6, 8), (0, 0)), ((10, 9), (2, 3))])
+@pytest.mark.parametrize("size,padding", [((32, 32), (4, 4)), ((6, 8), (0, 0)), ((10, 9), (2, 3)),
+                                          ((10, 9), (3, 0, 1, 2))])
 @pytest.mark.usefixtures("both_paths")
 def test_fused_crop_flip_equals_unfused_sequence(dtype, size, padding):
     """Compose fuses crop + flip: same keys, same draws, bit-equal output."""
@@ -138,7 +148,7 @@ def test_fused_crop_flip_equals_unfused_sequence(dtype, size, padding):
     assert torch.equal(fused, unfused)
     offset = crop.draw(x, k.child(0))["offset"]
     mask = flip.draw(x, k.child(1))["flip"][:, 0]
-    assert torch.equal(fused, _reference_crop(x, offset, size, padding, 0, mask))
+    assert torch.equal(fused, _reference_crop(x, offset, size, _tv_sides(padding), 0, mask))
 
 
 @pytest.mark.usefixtures("both_paths")
@@ -259,7 +269,7 @@ def test_fused_crop_and_flip_in_2d_with_a_vertical_flip():
         assert torch.equal(aug(x, k), flip(A.RandomCrop((8, 9), padding=2)(x, k.child(0)), k.child(1)))
 
 
-@pytest.mark.parametrize("padding", [(4, 4), (0, 3), (2, 0), (1, 5)])
+@pytest.mark.parametrize("padding", [(4, 4), (0, 3), (2, 0), (1, 5), (0, 2, 5, 1)])
 def test_wide_images_border_fill_matches_pad(padding):
     """Wide rows take the border-only fill path; the padding must be exact, whatever was in the buffer."""
     x = _batch((3, 2, 5, 70), seed=13)
@@ -269,7 +279,7 @@ def test_wide_images_border_fill_matches_pad(padding):
         out = A.Compose([crop, A.RandomHorizontalFlip()])(x, k)
         offset = crop.draw(x, k.child(0))["offset"]
         mask = A.RandomHorizontalFlip().draw(x, k.child(1))["flip"][:, 0]
-        assert torch.equal(out, _reference_crop(x, offset, (5, 68), padding, fill, mask))
+        assert torch.equal(out, _reference_crop(x, offset, (5, 68), _tv_sides(padding), fill, mask))
 
 
 def test_empty_batch_keeps_shape():
@@ -318,6 +328,97 @@ def test_random_crop_pad_if_needed_of_a_list_equals_torchvision(padding):
         ref = _tv_random_crop(tv_tensors.Mask(ms[i]), p["offset"][i], (30, 36), padding, 0)
         assert torch.equal(out.fields["mask"][i], ref.as_subclass(torch.Tensor)), i
     assert torch.equal(op(batch).fields["image"], out.fields["image"])
+
+
+def _padded_lines(out):
+    """Per sample of an all-ones image cropped with zero padding: (all-zero rows, all-zero columns)."""
+    z = out[:, 0] == 0
+    return z.all(2).sum(1), z.all(1).sum(1)
+
+
+@pytest.mark.parametrize("size,padding", [((4, 6), (4, 0)), ((6, 6), (0, 2))])
+@pytest.mark.usefixtures("both_paths")
+def test_random_crop_padding_pair_reads_as_torchvision_left_right_then_top_bottom(size, padding):
+    """A 2-D pair is (left/right, top/bottom) as torchvision's: (4, 0) pads columns only,
+    (0, 2) rows only, with the same distribution of padded rows and columns per sample."""
+    import torchvision.transforms.v2 as T
+
+    n = 2000
+    x = torch.ones(n, 1, 4, 6)
+    tv_op = T.RandomCrop(size, padding=padding)
+    torch.manual_seed(0)
+    tv = torch.stack([tv_op(x[i]) for i in range(n)])
+    ours = A.RandomCrop(size, padding=padding)(x, keys(n, seed=3))
+    assert ours.shape == tv.shape == (n, 1, *size)
+    (tv_rows, tv_cols), (rows, cols) = _padded_lines(tv), _padded_lines(ours)
+    if padding[1] == 0:
+        assert int(tv_rows.max()) == int(rows.max()) == 0  # no row is ever padded
+    if padding[0] == 0:
+        assert int(tv_cols.max()) == int(cols.max()) == 0  # no column is ever padded
+    for tv_lines, lines in ((tv_rows, rows), (tv_cols, cols)):
+        for v in range(max(int(tv_lines.max()), int(lines.max())) + 1):
+            a, b = int((tv_lines == v).sum()), int((lines == v).sum())
+            share = (a + b) / (2 * n)
+            assert abs(a - b) <= 5 * math.sqrt(2 * n * share * (1 - share)) + 2, (v, a, b)
+
+
+@pytest.mark.parametrize("pad_if_needed", [False, True])
+@pytest.mark.usefixtures("both_paths")
+def test_random_crop_four_padding_values_equal_torchvision_left_top_right_bottom(pad_if_needed):
+    """(left, top, right, bottom), uneven sides included, as torchvision pads: every sample of
+    a batch tensor and of a list equals TF.pad then TF.crop at its drawn corner, whose range
+    is the unevenly padded input's."""
+    padding, size, fill = (1, 0, 3, 2), (12, 16), 7
+    op = A.RandomCrop(size, padding=padding, fill=fill, pad_if_needed=pad_if_needed)
+
+    def reference(x, corner):
+        h, w = x.shape[-2:]
+        dh = max(0, size[0] - (h + 2)) if pad_if_needed else 0  # torchvision: the shortfall on both sides
+        dw = max(0, size[1] - (w + 4)) if pad_if_needed else 0
+        padded = TF.pad(x, [1 + dw, dh, 3 + dw, 2 + dh], fill=fill)
+        return TF.crop(padded, int(corner[0]), int(corner[1]), *size)
+
+    n = 400
+    x = images(n, shape=(2, 11, 14))
+    p = op.draw(x, keys(n, seed=4))
+    out = op.apply(x, **p)
+    h_pad, w_pad = 11 + 2, 14 + 4
+    if pad_if_needed:
+        h_pad, w_pad = h_pad + 2 * max(0, 12 - h_pad), w_pad + 2 * max(0, 16 - w_pad)
+    # Every corner of the padded input is drawn, none past it.
+    assert sorted(p["offset"][:, 0].unique().tolist()) == list(range(h_pad - 12 + 1))
+    assert sorted(p["offset"][:, 1].unique().tolist()) == list(range(w_pad - 16 + 1))
+    for i in range(n):
+        assert torch.equal(out[i], reference(x[i], p["offset"][i])), i
+    xs = ragged([(12, 15), (10, 20), (13, 13)]) if pad_if_needed else ragged([(12, 15), (11, 20), (13, 13)])
+    p = op.draw(xs, keys(3, seed=5))
+    out = op.apply(xs, **p)
+    for i, xi in enumerate(xs):
+        assert torch.equal(out[i], reference(xi, p["offset"][i])), i
+
+
+@pytest.mark.usefixtures("both_paths")
+def test_random_crop_padding_of_volumes_stays_per_dim():
+    """Volumes keep one value per axis, (d, h, w), each on both sides; the image readings
+    (a pair, four values) and a triple on images are refused, naming the reading to use."""
+    n = 300
+    vol = torch.ones(n, 1, 4, 5, 6)
+    out = A.RandomCrop((4, 5, 6), padding=(2, 0, 0))(vol, keys(n, seed=6))
+    z = out[:, 0] == 0
+    planes = z.flatten(2).all(2).sum(1)  # all-zero depth slices
+    assert int(planes.max()) == 2 and int(planes.min()) == 0
+    assert int(z.all(1).all(2).sum()) == 0 and int(z.all(1).all(1).sum()) == 0  # no h row or w column padded
+    assert torch.equal(out.sum((1, 2, 3, 4)), (4 - planes) * 30.0)
+    with pytest.raises(ValueError, match=r"padding=\(4, 0\) has 2 values but the batch has 3 spatial.*\(d, h, w\)"):
+        A.RandomCrop(4, padding=(4, 0))(vol[:2])
+    with pytest.raises(ValueError, match=r"4 values but the batch has 3 spatial dims"):
+        A.RandomCrop(4, padding=(1, 2, 3, 4))(vol[:2])
+    with pytest.raises(ValueError, match=r"3 values but the batch has 2 spatial dims.*\(left/right, top/bottom\)"):
+        A.RandomCrop(4, padding=(1, 2, 3))(torch.ones(2, 1, 8, 8))
+    with pytest.raises(ValueError, match=r"padding must be an int.*got \(1, 2, 3, 4, 5\)"):
+        A.RandomCrop(4, padding=(1, 2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"padding must be >= 0, got \(1, -1\)"):
+        A.RandomCrop(4, padding=(1, -1))
 
 
 def test_random_crop_of_a_list_draws_as_a_batch_tensor():

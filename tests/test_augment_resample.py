@@ -407,3 +407,29 @@ def test_random_resized_crop_fallback_box_is_at_least_one_pixel(shape, monkeypat
         monkeypatch.setattr(augment_base, "HOST_SHORTCUTS", host)
         outs.append(op(x, keys(2)))
     assert all(o.shape == (2, 3, 4, 4) and bool((o == 200).all()) for o in outs)
+
+
+@pytest.mark.filterwarnings("ignore:.*runs once per sample")
+def test_per_size_constants_stay_bounded_over_many_sizes():
+    """The affine grid's half extents, a crop's offset ranges and row grids are cached per
+    input size: over a ragged stream of ~800 sizes the caches stay within their bounds, and
+    the outputs for a few sizes are bit-identical before and after they were emptied."""
+    from lightning_fastdata import augment_crop
+    from lightning_fastdata import keys as K
+
+    ops = [A.RandomRotation(10), A.RandomAffine(5, translate=(0.1, 0.1)), A.RandomErasing(p=1.0, value="random"),
+           A.RandomCrop(8, padding=(1, 0, 3, 2), fill=4)]
+    few = [torch.rand(3, 9, 12, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    k = keys(3, seed=8)
+    before = [[op(few, k), op(torch.stack(few), k)] for op in ops]
+    for h in range(8, 37):
+        xs = [torch.rand(3, h, w) for w in range(8, 37)]
+        for op in ops:
+            op(xs, keys(len(xs), seed=h))
+            op(xs[0][None], keys(1, seed=h))
+    assert len(augment_base._CONSTANTS) <= 256
+    assert len(augment_crop._GRIDS) <= 64 and len(K._COUNTERS_NP) <= 64
+    for op, (ragged_out, batch_out) in zip(ops, before, strict=True):
+        again = op(few, k)
+        assert all(map(torch.equal, again, ragged_out)) and len(again) == len(ragged_out)
+        assert torch.equal(op(torch.stack(few), k), batch_out)

@@ -197,12 +197,22 @@ def test_quick_demo_end_to_end(tmp_path):
     with Image.open(png) as im:
         assert im.format == "PNG"
     # The second demo reuses the dataset; --num-workers skips the measurement.
-    proc = run_demo(tmp_path, "--quick", "--epochs", "1", "--num-workers", "0", "--data-dir", str(data))
+    proc = run_demo(tmp_path, "--quick", "--epochs", "3", "--num-workers", "0", "--data-dir", str(data))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "writing the demo dataset" not in proc.stdout
     assert "measuring the plain DataLoader" not in proc.stdout
     assert "plain DataLoader (0 workers, set by --num-workers)" in proc.stdout
-    assert "val accuracy after 1 epochs" in proc.stdout
+    assert "val accuracy after 3 epochs" in proc.stdout
+
+
+@pytest.mark.parametrize("epochs", ["1", "0"])
+def test_fewer_than_two_epochs_are_refused(tmp_path, epochs):
+    """With --epochs 1 the "last" epoch timed is the first: the plain side's worker start-up is in
+    it and fastdata's set-up is not, so the comparison is refused before any run."""
+    proc = run_demo(tmp_path, "--quick", "--epochs", epochs, "--data-dir", str(tmp_path / "data"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--epochs must be >= 2, got {epochs}: the epoch time reported is the last epoch's" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()  # refused before any run
 
 
 def test_bad_num_workers_is_refused(tmp_path):

@@ -234,3 +234,40 @@ def test_for_batch_and_children():
 def test_bad_arguments_are_refused(make, match):
     with pytest.raises((TypeError, ValueError), match=match):
         make()
+
+
+def test_counter_caches_stay_bounded_over_many_sizes(engine):
+    """One element count per image size (``normal`` over a ragged list's sizes) and one range
+    per size (``integers``) no longer pile up: the caches stay within their entries and bytes,
+    and draws after the caches were emptied many times equal the Python reference."""
+    keys = SampleKeys(3, 1, torch.tensor([0, 7, 2**40]))
+    few = [(3, 8, 9), (1, 31, 17), (3, 36, 36)]
+    before = [keys.normal(2, shape) for shape in few]
+    for h in range(8, 37):
+        for w in range(8, 37):
+            keys.normal(2, (3, h, w))
+            keys.integers(4, [h, w])
+    for cache in (K._COUNTERS_NP, K._COUNTERS):
+        assert len(cache) <= 64 and cache.entries == 64
+        assert cache.held == sum(K._nbytes(v) for v in cache.values()) <= cache.nbytes == 1 << 20
+    assert len(K._HOST_CONSTANTS) <= 256
+    for shape, first in zip(few, before, strict=True):
+        assert torch.equal(keys.normal(2, shape), first)
+    bits = keys.bits(5, 3 * 36 * 36)
+    for j in (0, 1, 3887):
+        assert int(bits[2, j]) & M64 == ref_bits(3, 0, 1, (), 5, 2**40, j)
+
+
+def test_bounded_cache_keeps_what_a_cuda_graph_captured(monkeypatch):
+    """Past its entries or bytes the cache empties, but entries read during a CUDA graph
+    capture stay: the graph reads their memory at every replay (faked here on the CPU)."""
+    cache = K.BoundedCache(4, nbytes=100)
+    kept = torch.zeros(2)
+    monkeypatch.setattr(K, "_in_capture", lambda value: value is kept)
+    cache.put("kept", kept)
+    for i in range(10):
+        cache.put(i, torch.zeros(3))
+        assert len(cache) <= 4 and cache.held <= 100 and cache["kept"] is kept
+    assert set(cache) == {"kept", 9} and cache.held == 20
+    cache.put("big", torch.zeros(21))  # 84 bytes: past the budget with the 20 held
+    assert set(cache) == {"kept", "big"} and cache.held == 92
