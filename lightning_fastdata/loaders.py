@@ -316,13 +316,16 @@ class _Loader:
         to prediction writers as ``batch_indices``."""
         return self.index_record
 
-    def _noting(self, epoch: int) -> Callable[[int], None] | None:
-        """Start recording the sample indices of the batches yielded from now (prediction), or None."""
+    def _noting(self, epoch: int, idx: torch.Tensor | None = None) -> Callable[[int], None] | None:
+        """Start recording the sample indices of the batches yielded from now (prediction), or None.
+
+        ``idx``: the epoch's indices when the caller has them already."""
         record = self.index_record
         if record is None:
             return None
         record.seen_batch_indices = []
-        idx, bs = self.order.indices(epoch), self.order.batch_size
+        idx = self.order.indices(epoch) if idx is None else idx
+        bs = self.order.batch_size
 
         def note(b: int) -> None:
             record.seen_batch_indices.append(idx[b * bs:(b + 1) * bs].tolist())
@@ -730,7 +733,7 @@ class WorkerLoader(_Loader):
         self.iter_start = start
         idx = self.order.indices(epoch)
         bs = self.order.batch_size
-        note = self._noting(epoch)
+        note = self._noting(epoch, idx)
         for b, batch in enumerate(self.dataloader, start):
             if note is not None:
                 note(b)
