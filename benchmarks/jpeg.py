@@ -50,6 +50,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -215,8 +216,13 @@ def datamodule(root: Path, cache: Path, strategy: str, max_side: int | None, arg
 
 
 def fastdata_batches(dm: Photos, device: torch.device) -> Callable[[], Any]:
+    # One loader for every epoch, as Lightning holds one per fit: a `workers` loader starts
+    # its persistent workers once, as the plain loader's do (a new loader per epoch would
+    # time a worker start-up in each epoch after the first).
+    loader = dm.train_dataloader()
+
     def batches() -> Any:
-        for batch in dm.train_dataloader():
+        for batch in loader:
             batch = dm.transfer_batch_to_device(batch, device, 0)
             yield batch.structure() if batch.prepared else dm.augment_batch(batch, split="train")
     return batches
@@ -255,6 +261,10 @@ def run_fastdata(root: Path, work: Path, args: argparse.Namespace, device: torch
                 store = dm.stores["train"]
                 out[f"store_bytes/{max_side or 'none'}"] = folder_bytes(store.path) if store.path else store.nbytes
             dm.teardown("fit")
+            # Its workers are shut down here, not by a later fork's child collecting the loader
+            # (torch then prints "AssertionError: can only test a child process").
+            del dm
+            gc.collect()
     return out
 
 
