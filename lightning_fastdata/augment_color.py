@@ -31,6 +31,7 @@ from lightning_fastdata.augment_base import (
     samples_view,
 )
 from lightning_fastdata.augment_resample import box_attempts, first_valid_box
+from lightning_fastdata.keys import BoundedCache
 
 
 def _require_2d(batch: Batch, op: str) -> None:
@@ -141,7 +142,9 @@ class Normalize(BatchTransform):
         return batch.map(image=run)
 
 
-_PLANES: dict[tuple, torch.Tensor] = {}
+#: Whole-plane constants per (values, plane size): one per image size of a ragged stream, a
+#: plane as large as an image (3 x 500 x 500 float32 is 3 MB), so bounded in bytes too.
+_PLANES: BoundedCache = BoundedCache(32, nbytes=64 << 20)
 
 
 def _planes(values: Sequence[float], numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -149,9 +152,7 @@ def _planes(values: Sequence[float], numel: int, device: torch.device, dtype: to
     key = (tuple(values), numel, str(device), dtype)
     out = _PLANES.get(key)
     if out is None:
-        if len(_PLANES) > 32:
-            _PLANES.clear()
-        out = _PLANES[key] = const(values, device, dtype).view(-1, 1).expand(len(values), numel).contiguous()
+        out = _PLANES.put(key, const(values, device, dtype).view(-1, 1).expand(len(values), numel).contiguous())
     return out
 
 

@@ -414,11 +414,11 @@ def test_per_size_constants_stay_bounded_over_many_sizes():
     """The affine grid's half extents, a crop's offset ranges and row grids are cached per
     input size: over a ragged stream of ~800 sizes the caches stay within their bounds, and
     the outputs for a few sizes are bit-identical before and after they were emptied."""
-    from lightning_fastdata import augment_crop
+    from lightning_fastdata import augment_color, augment_crop
     from lightning_fastdata import keys as K
 
     ops = [A.RandomRotation(10), A.RandomAffine(5, translate=(0.1, 0.1)), A.RandomErasing(p=1.0, value="random"),
-           A.RandomCrop(8, padding=(1, 0, 3, 2), fill=4)]
+           A.RandomCrop(8, padding=(1, 0, 3, 2), fill=4), A.Normalize([0.5, 0.4, 0.3], [0.2, 0.3, 0.4])]
     few = [torch.rand(3, 9, 12, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     k = keys(3, seed=8)
     before = [[op(few, k), op(torch.stack(few), k)] for op in ops]
@@ -429,6 +429,7 @@ def test_per_size_constants_stay_bounded_over_many_sizes():
             op(xs[0][None], keys(1, seed=h))
     assert len(augment_base._CONSTANTS) <= 256
     assert len(augment_crop._GRIDS) <= 64 and len(K._COUNTERS_NP) <= 64
+    assert len(augment_color._PLANES) <= 32 and augment_color._PLANES.held <= 64 << 20
     for op, (ragged_out, batch_out) in zip(ops, before, strict=True):
         again = op(few, k)
         assert all(map(torch.equal, again, ragged_out)) and len(again) == len(ragged_out)
