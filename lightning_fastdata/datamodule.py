@@ -704,6 +704,20 @@ class OptimizedDataModule(L.LightningDataModule):
                 f"the data module's loader yields {batch.names}: a hook that changes the batch's structure "
                 "must run after the augmentation; move it to on_after_batch_transfer"
             )
+        n = len(batch.indices)
+        split = self._current_split()
+        augment = self.train_augment if split == "train" else self.eval_augment
+        for name, leaf in zip(names, leaves, strict=True):
+            if augment is None:
+                break  # nothing keyed by the samples' indices follows
+            rows = len(leaf) if isinstance(leaf, (list, RaggedBatch)) else getattr(leaf, "shape", (n,))[:1]
+            got = rows if isinstance(rows, int) else (rows[0] if len(rows) else n)
+            if got != n:
+                raise RuntimeError(
+                    f"{type(self.trainer.lightning_module).__name__}.{hook} returned field '{name}' with {got} "
+                    f"samples, the batch has {n}: each sample's augmentation is keyed by its index, so a hook "
+                    "that drops or adds samples must run after the augmentation; move it to on_after_batch_transfer"
+                )
         return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

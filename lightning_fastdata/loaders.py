@@ -38,7 +38,7 @@ from lightning_fastdata.augment_base import StoreRows
 from lightning_fastdata.placement import DeviceSource, HostSource, Source, as_tensor
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch, gather_host
 from lightning_fastdata.seeding import derive_seed
-from lightning_fastdata.structure import unflatten
+from lightning_fastdata.structure import tuple_spec, unflatten, unique_names
 
 
 class ShardedOrder:
@@ -263,7 +263,7 @@ def flatten_batch(batch: Any) -> tuple[dict, list[str], list[Any]]:
     def walk(node: Any, path: str) -> dict:
         if isinstance(node, (tuple, list)) and not (node and isinstance(node[0], str)):
             items = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
-            return {"kind": "tuple" if isinstance(node, tuple) else "list", "items": items}
+            return tuple_spec(node, {"kind": "tuple" if isinstance(node, tuple) else "list", "items": items})
         if isinstance(node, dict):
             keys = list(node)
             items = [walk(node[k], f"{path}.{k}" if path else str(k)) for k in keys]
@@ -272,7 +272,9 @@ def flatten_batch(batch: Any) -> tuple[dict, list[str], list[Any]]:
         leaves.append(node)
         return {"kind": "leaf", "field": len(leaves) - 1}
 
-    return walk(batch, ""), names, leaves
+    spec = walk(batch, "")
+    unique_names(names, "the batch")
+    return spec, names, leaves
 
 
 class _Loader:

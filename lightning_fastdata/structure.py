@@ -9,6 +9,8 @@ the field, why a sample does not fit the fields of the first.
 
 from __future__ import annotations
 
+import collections
+import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -30,6 +32,18 @@ class UnstorableSampleError(StoreError):
     """A sample holds a leaf that has no array form (str, None, ...)."""
 
 
+#: ndarray dtype kinds numpy stores but torch cannot hold: refused while the store is probed,
+#: before anything is written (torch would refuse them only when the store is placed).
+_NO_TENSOR = {"U": "strings", "S": "bytes strings", "M": "datetimes", "m": "time deltas", "V": "a structured record"}
+_NO_TENSOR_FIX = {
+    "U": "return a Python str instead (such a field is kept per sample, not stored), or drop the field",
+    "S": "return a Python str instead (such a field is kept per sample, not stored), or drop the field",
+    "M": "return them as numbers, e.g. value.astype('datetime64[s]').astype(np.int64)",
+    "m": "return them as numbers, e.g. value.astype('timedelta64[ms]').astype(np.int64)",
+    "V": "return each of its fields as an array of its own (e.g. a dict of value[name] per name)",
+}
+
+
 def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
     """Convert one leaf of sample ``index`` to an ndarray, or explain why it cannot be."""
     where = f"sample {index}, field '{path}'"
@@ -43,6 +57,9 @@ def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise UnstorableSampleError(f"{where} is an object-dtype ndarray")
+        if value.dtype.kind in _NO_TENSOR:
+            raise StoreError(f"{where} is an ndarray of dtype {value.dtype} ({_NO_TENSOR[value.dtype.kind]}), "
+                             f"which no torch tensor holds; {_NO_TENSOR_FIX[value.dtype.kind]}")
         if not value.dtype.isnative:
             # torch reads native byte order only (big-endian arrays come from FITS, some NIfTI
             # and .mat files): store the same numbers in it.
@@ -104,7 +121,7 @@ def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarr
         if isinstance(node, (tuple, list)):
             kind = "tuple" if isinstance(node, tuple) else "list"
             items = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
-            return {"kind": kind, "items": items}
+            return tuple_spec(node, {"kind": kind, "items": items})
         if isinstance(node, dict):
             keys = list(node)
             for k in keys:
@@ -125,7 +142,31 @@ def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarr
             leaf["tv"] = tv
         return leaf
 
-    return walk(sample, ""), leaves
+    spec = walk(sample, "")
+    unique_names([p for p, _ in leaves], f"sample {index}")
+    return spec, leaves
+
+
+def tuple_spec(node: tuple | list, spec: dict) -> dict:
+    """``spec`` of a tuple or list, with the class of a namedtuple recorded (module, name,
+    fields) so that :func:`unflatten` rebuilds it, as ``default_collate`` keeps it."""
+    fields = getattr(type(node), "_fields", None)
+    if isinstance(node, tuple) and isinstance(fields, tuple):
+        spec["namedtuple"] = {"module": type(node).__module__, "name": type(node).__qualname__,
+                              "fields": list(fields)}
+    return spec
+
+
+def unique_names(names: Sequence[str], where: str) -> None:
+    """Refuse two fields of one name: a dict key with a dot (``{"a.b": x}``) is named as the
+    nested ``{"a": {"b": y}}`` is, and one field would silently stand for both."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise StoreError(
+                f"{where} has two fields named '{name}': a dict key containing '.' is named like a nested "
+                f"path (fields are named by their path, parts joined by '.'); rename the key (e.g. with '_')")
+        seen.add(name)
 
 
 def field_kinds(spec: dict) -> list[str]:
@@ -168,10 +209,38 @@ def unflatten(spec: dict, leaves: Sequence[Any]) -> Any:
         return leaves[spec["field"]]
     items = [unflatten(s, leaves) for s in spec["items"]]
     if kind == "tuple":
-        return tuple(items)
+        named = spec.get("namedtuple")
+        return _namedtuple(named)(*items) if named else tuple(items)
     if kind == "list":
         return items
     return dict(zip(spec["keys"], items, strict=True))
+
+
+_NAMEDTUPLES: dict[tuple, type] = {}
+
+
+def _namedtuple(named: dict) -> type:
+    """The namedtuple class ``named`` records: the user's own when it imports with the same
+    fields, else a namedtuple of that name and fields (a store read where the class is gone)."""
+    key = (named["module"], named["name"], tuple(named["fields"]))
+    cls = _NAMEDTUPLES.get(key)
+    if cls is None:
+        cls = _import_class(named["module"], named["name"])
+        if not (isinstance(cls, type) and issubclass(cls, tuple) and getattr(cls, "_fields", None) == key[2]):
+            cls = collections.namedtuple(named["name"].rpartition(".")[2], key[2])  # type: ignore[misc]
+        cls = _NAMEDTUPLES[key] = cls
+    return cls
+
+
+def _import_class(module: str, qualname: str) -> Any:
+    """``module.qualname`` if it imports, else None."""
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # gone, renamed, defined in a function (<locals>): rebuilt by its fields
+        return None
+    return obj
 
 
 @dataclass(frozen=True)

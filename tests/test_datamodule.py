@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _helpers import CountingDataset, TinyDataModule, TinyModel, trainer
@@ -336,6 +339,71 @@ def test_a_model_hook_that_changes_the_structure_before_augmentation_is_named(tm
     with pytest.raises(RuntimeError, match=r"Reshaping.on_before_batch_transfer returned a batch with fields "
                                            r"\['x', 'y'\].*move it to on_after_batch_transfer"):
         trainer(tmp_path, max_epochs=1).fit(Reshaping(), dm)
+
+
+@pytest.mark.parametrize("augment", [None, A.RandomHorizontalFlip()])
+def test_a_model_hook_that_drops_samples_before_augmentation_is_named(tmp_path, augment):
+    """Without an augmentation a hook may filter samples; with one it is named (the keys
+    follow the samples' indices), not 'Batch has 2 samples but its keys have 4 indices'."""
+    class Filtering(TinyModel):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            x, y = batch
+            keep = y % 2 == 0
+            return x[keep], y[keep]
+
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        train_augment=augment)
+    model = Filtering(record=True)
+    if augment is None:
+        trainer(tmp_path, max_epochs=1).fit(model, dm)
+        assert [len(y) for _, y in model.seen] == [4, 4] and all(int(v) % 2 == 0 for _, y in model.seen for v in y)
+        return
+    with pytest.raises(RuntimeError, match=r"Filtering.on_before_batch_transfer returned field '0' with 4 samples, "
+                                           r"the batch has 8: .*move it to on_after_batch_transfer"):
+        trainer(tmp_path, max_epochs=1).fit(model, dm)
+
+
+Point = collections.namedtuple("Point", ["image", "label"])
+
+
+class _Points(TinyDataModule):
+    """Samples as a namedtuple, optionally with a str field (the per-sample path)."""
+
+    def __init__(self, text: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.text = text
+
+    def static_transform(self, sample):
+        x, y = sample
+        return (Point(x, y), f"s{y}") if self.text else Point(x, y)
+
+
+class _PointModel(TinyModel):
+    def training_step(self, batch, batch_idx):
+        point = batch[0] if isinstance(batch, list) else batch  # the str field: a list, as default_collate
+        self.seen.append(type(point))
+        return torch.nn.functional.cross_entropy(self.net(point.image.float().flatten(1)), point.label)
+
+
+@pytest.mark.parametrize("strategy,text", [("device", False), ("workers", False), ("workers", True)])
+def test_a_namedtuple_sample_reaches_the_step_as_that_namedtuple(tmp_path, strategy, text):
+    """As ``default_collate`` keeps it: ``batch.image`` works, under every strategy."""
+    dm = _Points(text=text, n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                 strategy=strategy, num_workers=0, train_augment=A.RandomHorizontalFlip())
+    model = _PointModel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(tmp_path, max_epochs=1).fit(model, dm)
+    assert model.seen == [Point, Point]
+
+
+def test_a_namedtuple_whose_class_is_gone_comes_back_with_its_fields():
+    from lightning_fastdata.structure import flatten, unflatten
+
+    local = collections.namedtuple("Local", ["a", "b"])  # <locals>: cannot be imported back
+    spec, leaves = flatten(local(np.zeros(2), 3))
+    out = unflatten(json.loads(json.dumps(spec)), [v for _, v in leaves])  # as read from the manifest
+    assert type(out).__name__ == "Local" and out._fields == ("a", "b") and out.b == 3
 
 
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):

@@ -96,3 +96,28 @@ def test_big_endian_arrays_are_stored_in_native_byte_order(tmp_path):
             assert sorted(seen) == list(range(7))
         finally:
             dm.teardown("fit")
+
+
+def test_a_dotted_dict_key_that_names_a_nested_field_is_refused(cache_dir):
+    """``{"meta": {"id": i}, "meta.id": j}``: both fields would be named 'meta.id', and one
+    would silently stand for the other in the augmented batch."""
+    def sample(i):
+        return {"image": torch.zeros(3, 4, 4, dtype=torch.uint8), "meta": {"id": i}, "meta.id": 1000 + i}
+
+    with pytest.raises(StoreError, match=r"sample 0 has two fields named 'meta.id': a dict key containing '.'"):
+        build_store(Items(4, sample), lambda s: s, cache_dir, progress=False)
+    assert not list(cache_dir.glob("train-*"))
+
+
+@pytest.mark.parametrize("value,what,fix", [
+    (np.array("img_0001.png"), "strings", "return a Python str"),
+    (np.array(b"abc"), "bytes strings", "return a Python str"),
+    (np.array("2024-01-02", dtype="datetime64[D]"), "datetimes", "astype"),
+    (np.array(5, dtype="timedelta64[s]"), "time deltas", "astype"),
+    (np.zeros(2, dtype=[("x", "f4"), ("y", "i4")]), "a structured record", "each of its fields"),
+])
+def test_ndarrays_torch_cannot_hold_are_refused_naming_the_field_before_writing(cache_dir, value, what, fix):
+    with pytest.raises(StoreError, match=rf"sample 0, field 'name' is an ndarray of dtype .*\({what}\).*{fix}"):
+        build_store(Items(3, lambda i: {"image": torch.zeros(2), "name": value}), lambda s: s, cache_dir,
+                    progress=False)
+    assert not list(cache_dir.glob("train-*"))  # no cache that every later run would trip on
