@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
@@ -435,10 +437,11 @@ class OptimizedDataModule(L.LightningDataModule):
         return D.rank(), D.local_rank(), D.local_world_size()
 
     def make_plan(self, device: torch.device | None = None, local_world_size: int | None = None,
-                  strategy: str | None = None) -> Plan:
+                  strategy: str | None = None, splits: Sequence[str] | None = None) -> Plan:
         """The plan for the open stores on ``device`` as one of ``local_world_size`` ranks; places nothing.
 
-        ``strategy`` overrides the configured one (``fastdata bench`` tries each).
+        ``strategy`` overrides the configured one (``fastdata bench`` tries each). ``splits``
+        limits the stores counted against the memory budget (default: every open one).
         """
         device = device or self.target_device()
         local_world = self._local_place()[2] if local_world_size is None else local_world_size
@@ -446,7 +449,8 @@ class OptimizedDataModule(L.LightningDataModule):
         config = self.plan_config()
         if strategy is not None:
             config["strategy"] = strategy
-        plan = decide(None if self._raw else sum(s.nbytes for s in self.stores.values()), resources, config)
+        counted = [st for sp, st in self.stores.items() if splits is None or sp in splits]
+        plan = decide(None if self._raw else sum(s.nbytes for s in counted), resources, config)
         keep, why = self._host_memory_choice(device, plan)
         # What setup will do (setup applies it and records the state then in force).
         plan.reasons["host_memory"] = (f"{'kept for reuse' if keep else 'left alone'} from setup on: {why}"
@@ -473,10 +477,13 @@ class OptimizedDataModule(L.LightningDataModule):
         self._check_field_kinds()
         device = self.target_device()
         rank, local_rank, local_world = self._local_place()
-        plan = self.make_plan(device, local_world)
-        config = self.plan_config()
         placed = self.placement.sources if self.placement is not None else {}
-        todo = {s: st for s, st in self.stores.items() if s not in placed}
+        # Only the stage's splits are placed (a test after a fit must not put the train and val
+        # stores released at the fit's teardown back on the device), and the budget counts
+        # them with what is still placed.
+        plan = self.make_plan(device, local_world, splits={*splits, *placed})
+        config = self.plan_config()
+        todo = {s: st for s, st in self.stores.items() if s in splits and s not in placed}
         sharing = Sharing(self.shared_memory, rank, local_rank, local_world, config["batch_nbytes"])
         placement = place(todo, plan, device, config, {s: self._batch_size(s) for s in todo},
                           world_size=self._rank_world()[1], sharing=sharing)
@@ -640,7 +647,27 @@ class OptimizedDataModule(L.LightningDataModule):
             if split == "train" and hasattr(loader, "steps_in_flight"):
                 loader.steps_in_flight = self._train_steps_in_flight
                 loader.epoch_batches = self._train_epoch_batches
+            if split == "train":
+                self._warn_dataloader_iter()
         return loader
+
+    def _warn_dataloader_iter(self) -> None:
+        """A ``training_step(dataloader_iter)`` gets batches no Lightning hook has seen (Lightning
+        transfers nothing then): this module's augmentation runs only where the loader applies
+        it itself (device, chunked, workers on the CPU), so say how to get the same batches everywhere."""
+        trainer = self.trainer
+        model = trainer.lightning_module if trainer is not None else None
+        if model is None or self.train_augment is None:
+            return
+        if not is_param_in_hook_signature(model.training_step, "dataloader_iter", explicit=True):
+            return
+        rank_zero_warn(
+            f"{type(model).__name__}.training_step takes a dataloader_iter: Lightning then calls no batch transfer "
+            f"hook, so {type(self).__name__} cannot move or augment the batches, and the loader augments them "
+            "itself under some strategies only. Call `batch = self.trainer.datamodule.augment_batch("
+            "batch.to(self.device))` on each batch the iterator yields: the same augmented batch under every "
+            "strategy (a batch its loader augmented already is returned as it is)."
+        )
 
     def _train_epoch_batches(self) -> int | None:
         """Batches of a training epoch as the Trainer runs it (``limit_train_batches`` applied), or None."""

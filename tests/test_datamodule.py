@@ -406,6 +406,76 @@ def test_a_namedtuple_whose_class_is_gone_comes_back_with_its_fields():
     assert type(out).__name__ == "Local" and out._fields == ("a", "b") and out.b == 3
 
 
+class _ThreeSplits(TinyDataModule):
+    def source(self, split: str):
+        return CountingDataset(self.n, self.shape) if split in ("train", "val", "test") else None
+
+
+class _PlacedSeer(TinyModel):
+    """Records which splits are placed while each stage runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.placed: dict[str, list[str]] = {}
+
+    def _note(self, stage: str) -> None:
+        self.placed.setdefault(stage, sorted(self.trainer.datamodule.placement.sources))
+
+    def training_step(self, batch, batch_idx):
+        self._note("fit")
+        return super().training_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        self._note("test")
+
+
+@pytest.mark.parametrize("strategy", ["device", "chunked"])
+def test_a_test_after_a_fit_places_only_the_test_split(tmp_path, strategy):
+    """The fit's teardown released train and val; the test must not put them back (on a GPU,
+    two more whole copies kept on the device until the next fit) nor count them in its budget."""
+    dm = _ThreeSplits(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy)
+    model = _PlacedSeer()
+    t = trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    t.fit(model, dm)
+    t.test(model, dm)
+    assert model.placed == {"fit": ["train", "val"], "test": ["test"]}
+    assert dm.placement.sources == {}  # the test's teardown released what it placed
+
+
+class _IterStep(TinyModel):
+    """A ``training_step(dataloader_iter)`` that follows the warning's advice."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        x, y = self.trainer.datamodule.augment_batch(batch.to(self.device))
+        self.seen.append((x.clone(), y.clone()))
+        return torch.nn.functional.cross_entropy(self.net(x.float().flatten(1)), y)
+
+
+@pytest.mark.parametrize("strategy,workers", [("device", 0), ("workers", 0), ("workers", 1)])
+def test_a_dataloader_iter_step_is_told_how_to_get_the_augmented_batches(tmp_path, strategy, workers):
+    """Lightning runs no transfer hook for such a step: the loader augmented the batches under
+    some strategies only (workers with 0 workers handed them out raw, silently). The warning's
+    recipe gives the same augmented batches under every strategy."""
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        strategy=strategy, num_workers=workers, shuffle=False,
+                        train_augment=A.Compose([A.RandomHorizontalFlip(), A.Normalize([0.5] * 3, [0.25] * 3)]))
+    model = _IterStep()
+    with pytest.warns(UserWarning, match=r"_IterStep.training_step takes a dataloader_iter: .*augment_batch\("):
+        trainer(tmp_path, max_epochs=1).fit(model, dm)
+    ref = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                         strategy="device", shuffle=False, train_augment=dm.train_augment)
+    plain = TinyModel(record=True)
+    trainer(tmp_path, max_epochs=1).fit(plain, ref)
+    assert len(model.seen) == len(plain.seen) == 2
+    for (x, y), (rx, ry) in zip(model.seen, plain.seen, strict=True):
+        assert x.dtype == torch.float32 and torch.equal(x, rx) and torch.equal(y, ry)
+
+
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
     class PlainLoader(TinyDataModule):
         def train_dataloader(self):
