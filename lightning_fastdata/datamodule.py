@@ -41,7 +41,15 @@ from lightning_fastdata.loaders import (
     flatten_batch,
     transformed,
 )
-from lightning_fastdata.placement import ChunkedSource, DeviceSource, HostSource, Placement, Sharing, place
+from lightning_fastdata.placement import (
+    ChunkBuffers,
+    ChunkedSource,
+    DeviceSource,
+    HostSource,
+    Placement,
+    Sharing,
+    place,
+)
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
 from lightning_fastdata.ragged import RaggedBatch
 from lightning_fastdata.seeding import WorkerSeeding
@@ -582,6 +590,8 @@ class OptimizedDataModule(L.LightningDataModule):
         kw = dict(shuffle=self.shuffle and train, drop_last=self.drop_last and train, seed=self.seed,
                   rank=rank, world_size=world, pad=split != "predict")
         source = self.placement.sources.get(split)
+        if isinstance(source, ChunkedSource) and source.rows % self._batch_size(split):
+            source = self._rechunk(split, source, plan, world)
         if isinstance(source, ChunkedSource) and plan.chunk_mode == "block":
             order: ShardedOrder = BlockOrder(n, self._batch_size(split), rows=source.rows, **kw)
         else:
@@ -620,6 +630,18 @@ class OptimizedDataModule(L.LightningDataModule):
                                          kinds=self.kinds(split, names)) if in_workers else None)
             return WorkerLoader(order, source=source, spec=store.spec, names=names, prepare=prepare, **loader_kw)
         return WorkerLoader(order, dataset=transformed(self._raw[split], self.static_transform), **loader_kw)
+
+    def _rechunk(self, split: str, source: ChunkedSource, plan: Plan, world: int) -> ChunkedSource:
+        """``source`` with chunk buffers cut in whole batches of the current batch size: the
+        batch size changed since setup (Lightning's ``Tuner.scale_batch_size`` does), and
+        chunks sized for the old one do not hold whole batches of the new one."""
+        assert self.placement is not None
+        source.close()
+        buffers = ChunkBuffers.for_store(self.stores[split], source.device, plan.chunk_bytes, self._batch_size(split),
+                                         world_size=world, pin=source.buffers.pinned)
+        again = ChunkedSource(source.host, buffers, fill_threads=source.fill_threads)
+        self.placement.sources[split] = again
+        return again
 
     def _deferred_fields(self, source: Any, augment: Any, kinds: dict[str, str], names: list[str]) -> frozenset[int]:
         """The fields the loader hands to ``augment`` as rows of the store, not gathered: every

@@ -779,6 +779,18 @@ def _place_level(level: int, hosts: dict[str, HostSource], stores: Mapping[str, 
             out[split] = host
 
 
+def _chunk_buffer_bytes(stores: Mapping[str, Store], chunk_bytes: int, batch_sizes: Mapping[str, int],
+                        world_size: int) -> int:
+    """Device bytes the chunked level allocates: two chunks per split, each as
+    :meth:`ChunkBuffers.for_store` sizes it (whole batches, at most one rank's shard)."""
+    total = 0
+    for split, store in stores.items():
+        row = sum(info.row_nbytes for info in store.infos if not info.ragged)
+        shard = math.ceil(len(store) / max(1, world_size))
+        total += 2 * row * rows_per_chunk(row, chunk_bytes, batch_sizes[split], shard)
+    return total
+
+
 def place(stores: Mapping[str, Store], plan: Plan, device: torch.device | str, config: Mapping[str, Any],
           batch_sizes: Mapping[str, int], world_size: int = 1, sharing: Sharing | None = None) -> Placement:
     """Place ``stores`` at the plan's level, falling back one level per out-of-memory error.
@@ -827,9 +839,10 @@ def place(stores: Mapping[str, Store], plan: Plan, device: torch.device | str, c
         except torch.OutOfMemoryError as e:
             allocated = sum(s.nbytes for s in sources.values())
             sources = {}
-            need = plan.store_nbytes if level == LEVELS["device"] else 2 * plan.chunk_bytes * len(stores)
+            need = (plan.store_nbytes if level == LEVELS["device"] else
+                    _chunk_buffer_bytes(stores, plan.chunk_bytes, batch_sizes, world_size))
             failure = (f"rank {D.rank()}: out of device memory placing {_NAMES[level]} "
-                       f"(needs {fmt_bytes(need)}, {fmt_bytes(allocated)} in complete fields when it "
+                       f"(needs {fmt_bytes(need)}, {fmt_bytes(allocated)} in complete splits when it "
                        f"failed, {_device_memory(device)}): {str(e).splitlines()[0]}")
             del e
             _release(device)

@@ -476,6 +476,26 @@ def test_a_dataloader_iter_step_is_told_how_to_get_the_augmented_batches(tmp_pat
         assert x.dtype == torch.float32 and torch.equal(x, rx) and torch.equal(y, ry)
 
 
+def test_the_chunked_strategy_follows_a_batch_size_changed_after_setup(tmp_path):
+    """Lightning's ``Tuner.scale_batch_size`` sets ``batch_size`` after setup: chunks sized in
+    batches of 5 failed with "chunks of 50 rows do not hold whole batches of 4"; now they are
+    cut again, and every sample comes once, in the batches the device strategy makes."""
+    def epoch(strategy: str) -> dict[int, list[list[int]]]:
+        dm = TinyDataModule(n=200, batch_size=5, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy)
+        dm.setup("fit")
+        out = {}
+        for bs in (2, 4, 64):
+            dm.batch_size = bs
+            out[bs] = [b.indices.tolist() for b in dm.train_dataloader()]
+        dm.teardown("fit")
+        return out
+
+    chunked, device = epoch("chunked"), epoch("device")
+    assert chunked == device
+    for batches in chunked.values():
+        assert sorted(i for b in batches for i in b) == list(range(200))
+
+
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
     class PlainLoader(TinyDataModule):
         def train_dataloader(self):

@@ -17,8 +17,9 @@ from _helpers import TinyDataModule, TinyModel, trainer
 from _jobs import free_port
 
 import lightning_fastdata.placement as placement_module
-from lightning_fastdata.placement import ChunkedSource, HostSource, inject_faults, place
-from lightning_fastdata.plan import Resources, decide
+from lightning_fastdata._util import fmt_bytes
+from lightning_fastdata.placement import ChunkBuffers, ChunkedSource, HostSource, inject_faults, place
+from lightning_fastdata.plan import Resources, decide, fall_back
 from lightning_fastdata.store import Store
 
 MB = 10**6
@@ -59,7 +60,7 @@ def test_oom_midway_frees_the_partial_copies_and_falls_back_to_chunked(tracked):
         placement = place(stores(), plan, "cpu", config, {"train": 8, "val": 8})
         allocations = faults.count
     message = str(warned[0].message)
-    assert "out of device memory placing device (needs 28.0 KB, 20.0 KB in complete fields" in message
+    assert "out of device memory placing device (needs 28.0 KB, 20.0 KB in complete splits" in message
     assert "falling back to strategy 'chunked' on every rank" in message
     assert placement.plan.strategy == "chunked"
     assert all(isinstance(s, ChunkedSource) for s in placement.sources.values())
@@ -76,6 +77,11 @@ def test_oom_on_both_levels_ends_on_workers(tracked):
     with inject_faults(oom_at={1, 4}), pytest.warns(RuntimeWarning) as warned:  # device 1st, chunked 3rd
         placement = place(stores(), device_plan(config), "cpu", config, {"train": 8, "val": 8})
     assert [str(w.message).split("; falling back to strategy ")[1][:9] for w in warned] == ["'chunked'", "'workers'"]
+    # The chunked level's "needs" is what its buffers take (whole batches, at most a shard),
+    # not two full chunks per split (the val split's chunks are smaller).
+    chunk_bytes = fall_back(device_plan(config), "chunked", "test", config).chunk_bytes
+    buffers = sum(ChunkBuffers.for_store(st, "cpu", chunk_bytes, 8).nbytes for st in stores().values())
+    assert f"placing chunked (needs {fmt_bytes(buffers)}, " in str(warned[1].message)
     assert placement.plan.strategy == "workers"
     assert all(isinstance(s, HostSource) for s in placement.sources.values())
     assert all(ref() is None for ref in tracked)
