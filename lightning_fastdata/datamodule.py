@@ -117,6 +117,8 @@ class OptimizedDataModule(L.LightningDataModule):
         shuffle: Shuffle the training split every epoch.
         drop_last: Drop the last partial training batch (and truncate rank shards).
         seed: Base seed of the sample order and of the augmentation (keyed per sample), in [0, 2**64).
+            Lightning's ``seed_everything`` does not change it: a sweep over seeds sets this one
+            (e.g. ``--data.seed`` next to ``--seed_everything`` in a LightningCLI run).
         train_augment: Batched on-device transform for training batches.
         eval_augment: Batched on-device transform for val/test/predict batches.
         field_kinds: Kind of each field by name ("image", "mask" or "other"), e.g.

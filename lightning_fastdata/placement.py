@@ -265,6 +265,12 @@ class Source:
     def close(self) -> None:
         """Stop background work (nothing by default)."""
 
+    def drop(self) -> None:
+        """Forget the fields, after :meth:`close`, for good: their lists are emptied in place,
+        so the loaders made from this source (which share them) let go too, and the memory
+        (a shared-memory segment's pages, device copies) goes even while a Trainer still holds
+        those loaders."""
+
 
 def _rows(field: Any) -> int:
     return len(field) if isinstance(field, (RaggedArray, RaggedField)) else int(field.shape[0])
@@ -347,6 +353,10 @@ class DeviceSource(Source):
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.fields)
 
+    def drop(self) -> None:
+        self.fields.clear()
+        self.segment = None
+
 
 class HostSource(Source):
     """The fields in host memory (memory maps of the disk cache, or a shared-memory segment).
@@ -376,6 +386,11 @@ class HostSource(Source):
         tensors = iter(self.tensors)
         return [gather_host(a, idx) if isinstance(a, RaggedArray) else torch.index_select(next(tensors), 0, idx)
                 for a in self.arrays]
+
+    def drop(self) -> None:
+        self.arrays.clear()
+        self.tensors.clear()
+        self.segment = None
 
     def gather_ragged(self, indices: torch.Tensor) -> dict[int, RaggedBatch]:
         """Rows ``indices`` (CPU) of the ragged fields only, by field position."""
@@ -630,6 +645,12 @@ class ChunkedSource(Source):
                 pool.shutdown(wait=True)
         self._executor = self._fill = None
 
+    def drop(self) -> None:
+        self.host.drop()
+        self.buffers.slots.clear()
+        if self.buffers.staging is not None:
+            self.buffers.staging.clear()
+
 
 # --------------------------------------------------------------------------- placement
 
@@ -653,6 +674,7 @@ class Placement:
         source = self.sources.pop(split, None)
         if source is not None:
             source.close()
+            source.drop()
         seg = self.segments.pop(split, None)
         if seg is not None:
             seg.release()

@@ -154,16 +154,28 @@ def _parts(store: Store) -> list[tuple[int, str, str | None, np.ndarray]]:
 
 
 def _layout(store: Store) -> list[dict[str, Any]]:
-    out, offset = [], _ALIGN
-    for k, role, encoding, arr in _parts(store):
-        nbytes = int(arr.nbytes)
-        entry = {"field": k, "role": role, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
-                 "nbytes": nbytes}
-        if role != "data":
-            entry["encoding"] = encoding
-        out.append(entry)
-        offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-    return out
+    """Where each part of ``store`` lives in its segment: after the header, page-aligned.
+
+    The header holds the layout itself (about 100 bytes a part), so its region grows with
+    the number of fields: one page, or as many as the layout takes (found in a few rounds,
+    as the offsets' digits lengthen the layout they are written in).
+    """
+    parts = _parts(store)
+    start = _ALIGN
+    while True:
+        out, offset = [], start
+        for k, role, encoding, arr in parts:
+            nbytes = int(arr.nbytes)
+            entry = {"field": k, "role": role, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
+                     "nbytes": nbytes}
+            if role != "data":
+                entry["encoding"] = encoding
+            out.append(entry)
+            offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        need = _HEAD.size + len(json.dumps(out, sort_keys=True).encode())
+        if need <= start:
+            return out
+        start = -(-need // _ALIGN) * _ALIGN
 
 
 def _segment_size(layout: list[dict[str, Any]]) -> int:
@@ -260,8 +272,8 @@ def _header(size: int, token: str, fp: str, layout: list[dict[str, Any]], ready:
     body = json.dumps(layout, sort_keys=True).encode()
     head = _HEAD.pack(MAGIC, VERSION, ready, size, os.getpid(), _start_time(os.getpid()),
                       token.encode(), fp.encode()[:64], len(body))
-    if len(head) + len(body) > _ALIGN:
-        raise SharedMemoryError(f"a store with {len(layout)} fields does not fit the segment header")
+    if len(head) + len(body) > layout[0]["offset"]:  # _layout sizes the header region: never here
+        raise SharedMemoryError(f"the layout of {len(layout)} parts does not fit the segment's header region")
     return head + body
 
 

@@ -438,6 +438,21 @@ def test_many_fields_one_segment_and_a_constant_number_of_fds():
     assert few == many <= 2 * 2  # not growing with the fields: per segment, one descriptor + the mapping's
 
 
+@pytest.mark.parametrize("n_fields", [40, 300])
+def test_a_layout_longer_than_a_page_gets_a_larger_header_region(n_fields):
+    """The header holds the layout (about 100 bytes a part): 40 fields of (1000, 16) took more
+    than its one page and could not be shared at all ("does not fit the segment header")."""
+    fields = {f"f{i}": np.full((1000, 16), i, dtype=np.float32) for i in range(n_fields)}
+    seg = share_stores({"train": Store.from_arrays(fields, fingerprint="h" * 64)})["train"]
+    try:
+        assert seg.layout[0]["offset"] % 4096 == 0 and seg.layout[0]["offset"] > 4096
+        arrays = seg.arrays()
+        assert all(np.array_equal(arrays[i], fields[f"f{i}"]) for i in range(n_fields))
+        del arrays
+    finally:
+        seg.release()
+
+
 def _ragged_store(n: int = 40) -> Store:
     from lightning_fastdata.ragged import RaggedArray
 
@@ -474,3 +489,21 @@ def test_a_ragged_store_shares_its_values_offsets_and_shapes(context):
             assert np.array_equal(vec.tensors()[j].numpy(), store.fields[1][i])
             seen.append(i)
     assert sorted(seen) == list(range(40))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("kwargs", [dict(strategy="workers", num_workers=2), dict(strategy="chunked")],
+                        ids=["workers", "chunked"])
+def test_a_finished_fit_leaves_no_segment_mapped_while_the_trainer_lives(tmp_path, kwargs):
+    """The fit's teardown released the segment, but the Trainer keeps its loaders (and they
+    the segment's views): the pages stayed in /dev/shm, a whole store per fit, until the
+    Trainer went (a second fit could then find no room)."""
+    from _helpers import TinyModel, trainer
+
+    dm = TinyDataModule(n=64, cache_dir=str(tmp_path / "c"), batch_size=8, val=False, device="cpu",
+                        shared_memory="on", persistent_workers=False, **kwargs)
+    t = trainer(tmp_path, max_epochs=1, limit_train_batches=3)
+    t.fit(TinyModel(), dm)
+    gc.collect()
+    assert t.train_dataloader is not None  # the Trainer still holds the loader
+    assert _mapped_segments() == set()
