@@ -225,8 +225,10 @@ class OptimizedDataModule(L.LightningDataModule):
         if augment_ahead != _AUTO and (isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int)
                                        or not 0 <= augment_ahead <= 4):
             raise ValueError(f"augment_ahead must be 'auto' or an int in [0, 4], got {augment_ahead!r}")
-        if not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+        for name, flag in (("cuda_graphs", cuda_graphs), ("shuffle", shuffle), ("drop_last", drop_last),
+                           ("store", store), ("progress", progress)):
+            if not isinstance(flag, bool):  # a string such as "False" would read as True
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         _check_auto_bool("keep_freed_memory", keep_freed_memory)
         if augment_field is not None and field_kinds is not None:
             raise ValueError("give field_kinds or augment_field, not both "
@@ -288,6 +290,26 @@ class OptimizedDataModule(L.LightningDataModule):
         self.hparams["train_augment"] = repr(train_augment) if train_augment is not None else None
         self.hparams["eval_augment"] = repr(eval_augment) if eval_augment is not None else None
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``LightningDataModule.load_from_checkpoint``.
+
+        A checkpoint keeps ``train_augment`` and ``eval_augment`` as text (their repr, for
+        loggers), which cannot be rebuilt: pass them again, e.g.
+        ``MyData.load_from_checkpoint(path, train_augment=..., eval_augment=None)``.
+        """
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        except Exception as e:
+            missing = [k for k in ("train_augment", "eval_augment") if k not in kwargs and k in str(e)]
+            if not missing:
+                raise
+            given = ", ".join(f"{k}=..." for k in missing)
+            raise TypeError(
+                f"{cls.__name__}.load_from_checkpoint: the checkpoint keeps {' and '.join(missing)} as text (the "
+                f"augmentation's repr), which cannot be rebuilt; pass it again: "
+                f"{cls.__name__}.load_from_checkpoint(path, {given})") from e
+
     # ------------------------------------------------------------------ user hooks
 
     def source(self, split: str) -> Any:
@@ -338,9 +360,9 @@ class OptimizedDataModule(L.LightningDataModule):
                     if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in _NOT_CACHED or p.name in config:
                         continue
                     if p.name in hparams:
-                        config[p.name] = hparams[p.name]
+                        config[p.name] = _config_value(hparams[p.name])
                     elif p.name in vars(self):
-                        config[p.name] = vars(self)[p.name]
+                        config[p.name] = _config_value(vars(self)[p.name])
             if cls is OptimizedDataModule:
                 break
         return config
@@ -1001,6 +1023,20 @@ def _augment_leaves(batch: FastBatch, augment: Any, seed: int, stream: int, kind
     fields = dict(zip(batch.names, _unragged(batch), strict=True))
     out = augment(Batch(fields, kinds, keys))
     return [out.fields[name] for name in batch.names]
+
+
+def _config_value(value: Any) -> Any:
+    """An init argument as the cache fingerprint sees it: tuples as lists, paths as strings,
+    through lists and dicts. A ``tuple[int, int]`` argument arrives as a list from a YAML
+    file under ``fit`` (LightningCLI keeps the loaded values) and as a tuple from Python or
+    ``fastdata plan``: the same configuration must find the same cache."""
+    if isinstance(value, (tuple, list)):
+        return [_config_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _config_value(v) for k, v in value.items()}
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
 
 
 def _prepared(batch: FastBatch, augment: BatchTransform, seed: int, stream: int, kinds: dict[str, str]) -> FastBatch:

@@ -74,6 +74,11 @@ def test_cache_key_and_loader_settings(cache_dir):
     (dict(train_augment=3), "train_augment must be a callable"),
     (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\), got -1"),
     (dict(seed=1 << 64), r"seed must be an int in \[0, 2\*\*64\), got 18446744073709551616"),
+    # A string flag read as True: drop_last="False" dropped the last batch, shuffle="false" shuffled.
+    (dict(drop_last="False"), "drop_last must be True or False, got 'False'"),
+    (dict(shuffle="false"), "shuffle must be True or False, got 'false'"),
+    (dict(store="no"), "store must be True or False, got 'no'"),
+    (dict(progress=1), "progress must be True or False, got 1"),
 ])
 def test_bad_config_names_the_parameter(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -494,6 +499,25 @@ def test_the_chunked_strategy_follows_a_batch_size_changed_after_setup(tmp_path)
     assert chunked == device
     for batches in chunked.values():
         assert sorted(i for b in batches for i in b) == list(range(200))
+
+
+def test_load_from_checkpoint_asks_for_the_augmentations_again(tmp_path):
+    """A checkpoint keeps the augmentations as their repr: loading failed on that text with
+    "train_augment must be a callable transform, got str" (under LightningCLI, a long
+    parser dump); now it says to pass them, and with them the module loads."""
+    flip = A.RandomHorizontalFlip()
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, seed=5,
+                        train_augment=flip)
+    t = trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
+    t.fit(TinyModel(), dm)
+    path = t.checkpoint_callback.best_model_path
+    with pytest.raises(TypeError, match=r"TinyDataModule.load_from_checkpoint: the checkpoint keeps train_augment as "
+                                        r"text .*load_from_checkpoint\(path, train_augment=...\)"):
+        TinyDataModule.load_from_checkpoint(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = TinyDataModule.load_from_checkpoint(path, train_augment=flip)
+    assert again.train_augment is flip and again.seed == 5 and again.batch_size == 8
 
 
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):

@@ -291,6 +291,29 @@ def test_loader_settings_do_not_change_the_fingerprint_init_arguments_do(cache_d
     assert resized.calls == 64 + 2 * 8
 
 
+class _Shaped(Counting):
+    """A ``tuple[int, int]`` argument, as a YAML list reaches it under ``fastdata fit``."""
+
+    def __init__(self, shape: tuple[int, int] = (2, 2), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters(logger=False)
+
+
+def test_a_tuple_argument_given_as_a_list_finds_the_same_cache(cache_dir):
+    """``fastdata plan`` (and Python) pass ``(8, 8)``, ``fastdata fit`` the YAML's ``[8, 8]``:
+    the fit rebuilt the cache ("config changed (shape: tuple[8, 8] -> list[8, 8])") and kept two."""
+    first = _Shaped(shape=(8, 8), cache_dir=str(cache_dir))
+    first.prepare_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rebuild warning
+        again = _Shaped(shape=[8, 8], cache_dir=str(cache_dir))
+        again.prepare_data()
+    assert again.calls == 8  # only the probes: the cache was reused
+    other = _Shaped(shape=[8, 4], cache_dir=str(cache_dir))
+    with pytest.warns(UserWarning, match=r"config changed \(shape: "):
+        other.prepare_data()
+
+
 def test_two_projects_with_a_train_split_keep_both_caches(cache_dir):
     class ProjectA(Counting):
         pass
