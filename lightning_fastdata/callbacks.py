@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +32,17 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_fastdata import _lightning as door
 from lightning_fastdata.profiler import FALLBACK_HOOKS, UNUSED_STEP_HOOKS, DataWaitProfiler
 from lightning_fastdata.report import loader_info
-from lightning_fastdata.seeding import install_worker_seeding, randomness_repeats, set_worker_epoch, worker_seeding
+from lightning_fastdata.seeding import (
+    WorkerSeeding,
+    install_worker_seeding,
+    randomness_repeats,
+    set_worker_epoch,
+    worker_seeding,
+)
+
+# The worker seedings a FastDataCallback installed (a loader keeps its seeding when it is
+# reused by another stage or Trainer): each stage sets their epoch again.
+_INSTALLED: weakref.WeakSet[WorkerSeeding] = weakref.WeakSet()
 
 
 class FastDataCallback(Callback):
@@ -155,9 +166,18 @@ class FastDataCallback(Callback):
         self._loaders_set_up[split] = position + 1
         name = split if position == 0 else f"{split}/{position}"
         if install_worker_seeding(dataloader, seed, trainer.global_rank, split=name):
-            set_worker_epoch(dataloader, trainer.current_epoch)
             worker_seeding(dataloader).dataset_epoch = self.set_epoch
+            _INSTALLED.add(worker_seeding(dataloader))
             self.seeded_loaders += 1
+        seeding = worker_seeding(dataloader)
+        if seeding in _INSTALLED:
+            # Outside a fit the workers seed for epoch 0 and keep it (Lightning then sets the fit's
+            # progress on the loader's sampler): every validate or test draws the same numbers,
+            # whatever this Trainer fitted before, as the data module's loaders do.
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            seeding.held = False
+            seeding.set_epoch(trainer.current_epoch if fitting else 0)
+            seeding.held = not fitting
         reason = randomness_repeats(dataloader)
         if reason is not None and not self._warned_repeats:
             self._warned_repeats = True

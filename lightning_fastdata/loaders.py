@@ -37,7 +37,7 @@ from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata.augment_base import StoreRows
 from lightning_fastdata.placement import DeviceSource, HostSource, Source, as_tensor
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch, gather_host
-from lightning_fastdata.seeding import derive_seed
+from lightning_fastdata.seeding import derive_seed, new_worker_pass
 from lightning_fastdata.structure import tuple_spec, unflatten, unique_names
 
 
@@ -669,6 +669,8 @@ class _BatchIndexSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.loader.iter_epoch, self.loader.iter_start
+        # Here, at the first draw, persistent workers are done with the last pass: they reseed for this one.
+        new_worker_pass(self.loader.dataloader)
         for b, sel in enumerate(self.loader.order.batches(epoch=epoch, start=start), start):
             yield _Rows(sel.tolist(), epoch, b)
 

@@ -9,9 +9,12 @@ torch in each worker from (seed, split, global rank, worker id, epoch), then cal
 user's own ``worker_init_fn``. The split (``"train"``, ``"val"`` ...) keeps the workers of
 the training and the evaluation loaders apart: without it, worker 0 of the validation
 loader would replay the draws of worker 0 of the training loader in the same epoch.
-The epoch lives in a one-element shared-memory tensor that the main process writes
-(``set_epoch``) and every worker reads, so persistent workers, which are started once,
-still reseed at their first fetch of each new epoch.
+The epoch lives in a shared-memory tensor that the main process writes (``set_epoch``) and
+every worker reads, so persistent workers, which are started once, still reseed at their
+first fetch of each new epoch. Next to it, a pass counter that the main process bumps when
+an iteration of the loader starts (:meth:`WorkerSeeding.new_pass`) makes them reseed at
+every pass, too: two validation runs of one epoch draw the same numbers, whatever ran
+before them and whether or not the workers persist.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import random
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -91,10 +94,12 @@ def _worker_stream(stream: str, split: str) -> str:
     return stream if split == "train" else f"{stream}/{split}"
 
 
-# Worker-process state: the active seeding, this worker's id, and the epoch last seeded.
-# Module globals are per process, so every worker has its own.
+# Worker-process state: the active seeding, this worker's id, the epoch last seeded and the
+# pass it was seeded for. Module globals are per process, so every worker has its own.
 _WORKER: dict[str, Any] = {}
 _UNSET = -1
+# Slots of the shared tensor: the epoch, and the count of passes started over the loader.
+_EPOCH, _PASS = 0, 1
 
 
 class WorkerSeeding:
@@ -102,7 +107,10 @@ class WorkerSeeding:
 
     Call :meth:`set_epoch` in the main process before each epoch's iteration starts (or let
     :meth:`follow` do it from a sampler's ``set_epoch``); workers, persistent ones included,
-    reseed at their first fetch of the new epoch. Until an epoch is set, workers mix in
+    reseed at their first fetch of the new epoch. Persistent workers also reseed at their
+    first fetch of each new pass over the loader, when the main process announces passes
+    (:meth:`new_pass`; :func:`install_worker_seeding` and the package's loaders do), so
+    every pass of an epoch draws the same numbers. Until an epoch is set, workers mix in
     torch's per-iteration base seed instead, which also differs per epoch (it is drawn
     from the main process's generator) but cannot be resumed mid-run.
 
@@ -140,13 +148,17 @@ class WorkerSeeding:
             )
         self.seed, self.rank, self.user_fn, self.split = seed, rank, user_fn, split
         # Shared memory: a write in the main process is seen by workers that already run.
-        self._epoch = torch.full((1,), _UNSET, dtype=torch.int64)
-        self._epoch.share_memory_()
+        self._shared = torch.tensor([_UNSET, 0], dtype=torch.int64)
+        self._shared.share_memory_()
         if epoch is not None:
             # Checked like set_epoch: -1 would silently mean "unset", and any other negative
             # value would only fail later, inside a worker.
             self.set_epoch(epoch)
         self.followed = False
+        #: While True, a followed sampler's ``set_epoch`` leaves the workers' epoch alone
+        #: (``FastDataCallback`` holds it at 0 in an evaluation outside a fit, as
+        #: ``ShardedOrder.held`` holds the order).
+        self.held = False
         #: Also call the worker's copy of the dataset's ``set_epoch`` with each new epoch
         #: (``FastDataCallback(set_epoch=True)`` sets it: it calls the main process's copy).
         self.dataset_epoch = False
@@ -154,14 +166,24 @@ class WorkerSeeding:
     @property
     def epoch(self) -> int | None:
         """The epoch workers seed for, or None when none was set."""
-        value = int(self._epoch[0])
+        value = int(self._shared[_EPOCH])
         return None if value == _UNSET else value
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the workers' next fetches are seeded for (main process)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._epoch[0] = epoch
+        self._shared[_EPOCH] = epoch
+
+    def new_pass(self) -> None:
+        """Announce that a new pass over the loader starts (main process).
+
+        Call it when the pass draws its first indices: torch draws them only after
+        persistent workers acknowledged the new iteration, so no fetch left over from the
+        previous pass sees the new count. Workers reseed at their first fetch of the pass
+        (for the current epoch: the pass changes when, not what, they draw).
+        """
+        self._shared[_PASS] += 1
 
     def follow(self, sampler: Any) -> None:
         """Mirror every ``sampler.set_epoch(e)`` (Lightning calls it each epoch) here."""
@@ -173,7 +195,13 @@ class WorkerSeeding:
 
         def set_epoch(epoch: int) -> None:
             original(epoch)
-            self.set_epoch(int(epoch))
+            if self.held:
+                return
+            # Mirror the epoch the sampler took, not the one it was told: a held ShardedOrder
+            # keeps epoch 0 in an evaluation outside a fit, and its workers must too.
+            taken = getattr(sampler, "epoch", epoch)
+            ok = isinstance(taken, int) and not isinstance(taken, bool) and taken >= 0
+            self.set_epoch(taken if ok else int(epoch))
 
         set_epoch._lfd_follows = self  # type: ignore[attr-defined]
         sampler.set_epoch = set_epoch
@@ -201,7 +229,7 @@ class WorkerSeeding:
         )
 
     def _reseed(self) -> None:
-        raw = int(_WORKER["epoch_view"][0])
+        raw = int(_WORKER["view"][_EPOCH])
         epoch = None if raw == _UNSET else raw
         seed_libraries(self.worker_seed(_WORKER["worker"], epoch, _WORKER["base_seed"]))
         _WORKER["epoch"] = raw
@@ -217,9 +245,13 @@ class WorkerSeeding:
         _WORKER.update(
             seeding=self,
             worker=worker_id,
-            epoch_view=self._epoch.numpy(),
+            view=self._shared.numpy(),
             base_seed=info.seed if info is not None else 0,
             dataset=info.dataset if info is not None else None,
+            # Unknown until the first fetch, which belongs to the pass this worker started
+            # for (main may announce it before or after this): the seeding below is its.
+            passes=None,
+            iterations=0,
         )
         self._reseed()
         if info is not None:
@@ -235,17 +267,41 @@ class WorkerSeeding:
 
 
 def _maybe_reseed() -> None:
-    """In a worker: reseed when the main process moved to another epoch since the last seeding."""
+    """In a worker, before a fetch: reseed when a new epoch or a new pass began since the last seeding."""
     state = _WORKER
-    if state and int(state["epoch_view"][0]) != state["epoch"]:
+    if not state:
+        return
+    epoch, passes = int(state["view"][_EPOCH]), int(state["view"][_PASS])
+    seen, state["passes"] = state["passes"], passes
+    # Without an epoch the seed is torch's base seed, which a persistent worker keeps: a
+    # reseed per pass would replay the first pass, so its stream continues as before.
+    new_pass = seen is not None and passes != seen and epoch != _UNSET
+    if epoch != state["epoch"] or new_pass:
         state["seeding"]._reseed()
+
+
+def _reseed_per_iteration() -> None:
+    """In a worker, at ``iter(dataset)`` of an iterable dataset: reseed for each new pass.
+
+    Torch calls it once when the worker starts and again whenever a persistent worker
+    resumes for the next pass, in the worker's own order of work, so the count of calls is
+    the pass, exactly (the main process's announcement could arrive after this call).
+    """
+    state = _WORKER
+    if not state:
+        return
+    state["iterations"] += 1
+    if state["iterations"] > 1 and int(state["view"][_EPOCH]) != _UNSET:  # unset: see _maybe_reseed
+        state["seeding"]._reseed()
+    else:
+        _maybe_reseed()
 
 
 _SUBCLASSES: dict[type, type] = {}
 
 
 def _reseeding_class(cls: type) -> type:
-    """A subclass of ``cls`` whose fetch entry points check the epoch first (cached per class)."""
+    """A subclass of ``cls`` whose fetch entry points check the epoch and pass first (cached per class)."""
     sub = _SUBCLASSES.get(cls)
     if sub is not None:
         return sub
@@ -255,7 +311,7 @@ def _reseeding_class(cls: type) -> type:
     ):
 
         def __iter__(self: Any) -> Any:
-            _maybe_reseed()
+            _reseed_per_iteration()
             return cls.__iter__(self)
 
         ns["__iter__"] = __iter__
@@ -279,7 +335,7 @@ def _reseeding_class(cls: type) -> type:
 
 
 def _reseed_on_epoch_change(dataset: Any) -> None:
-    """Make this worker's copy of ``dataset`` reseed when the epoch changes (worker process only).
+    """Make this worker's copy of ``dataset`` reseed when the epoch or pass changes (worker process only).
 
     The dataset object in a worker is the worker's own copy, so giving it a subclass that
     checks the epoch before each fetch changes nothing in the main process or elsewhere.
@@ -289,7 +345,7 @@ def _reseed_on_epoch_change(dataset: Any) -> None:
     except TypeError as e:
         warnings.warn(
             f"lightning_fastdata: a {type(dataset).__name__} dataset cannot be wrapped ({e}); "
-            "persistent workers will not reseed per epoch, their streams continue instead",
+            "persistent workers will not reseed per epoch or pass, their streams continue instead",
             stacklevel=2,
         )
 
@@ -302,12 +358,75 @@ def _torch_loader(dataloader: Any) -> DataLoader | None:
     return inner if isinstance(inner, DataLoader) else None
 
 
+_PASS_CLASSES: dict[type, type] = {}
+
+
+def _pass_counting_class(cls: type) -> type:
+    """A subclass of the sampler class ``cls`` announcing a new pass when an iteration starts (cached)."""
+    sub = _PASS_CLASSES.get(cls)
+    if sub is not None:
+        return sub
+
+    def __iter__(self: Any) -> Iterator[Any]:
+        # A generator: this runs at the first draw of indices, not at iter(), so after
+        # persistent workers acknowledged the new iteration (see WorkerSeeding.new_pass).
+        seeding = getattr(self, "_lfd_pass_seeding", None)
+        if seeding is not None:
+            seeding.new_pass()
+        yield from cls.__iter__(self)
+
+    ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__iter__": __iter__}
+    sub = type(cls.__name__, (cls,), ns)
+    _PASS_CLASSES[sub] = _PASS_CLASSES[cls] = sub
+    return sub
+
+
+def _count_passes(dl: DataLoader, seeding: WorkerSeeding) -> None:
+    """Make every iteration of ``dl`` announce a new pass to ``seeding``'s workers.
+
+    The iteration draws its indices from the loader's batch sampler (or sampler), which
+    gets a subclass of its own class that announces the pass. An iterable dataset needs
+    none: its workers count their own passes (see :func:`_reseed_per_iteration`).
+    """
+    if isinstance(dl.dataset, IterableDataset):
+        return
+    sampler = dl.batch_sampler if dl.batch_sampler is not None else dl.sampler
+    if sampler is None or getattr(sampler, "_lfd_pass_seeding", None) is not None:
+        return  # a sampler shared with another seeded loader: announcing there would reseed its workers mid-pass
+    try:
+        sampler.__class__ = _pass_counting_class(type(sampler))
+        sampler._lfd_pass_seeding = seeding
+    except (TypeError, AttributeError) as e:
+        warnings.warn(
+            f"lightning_fastdata: the {type(sampler).__name__} of a DataLoader cannot count its passes "
+            f"({e}); persistent workers reseed per epoch only, a second pass of an epoch continues their "
+            "streams",
+            stacklevel=3,
+        )
+
+
+def new_worker_pass(dataloader: Any) -> bool:
+    """Tell the loader's workers that a new pass starts (see :meth:`WorkerSeeding.new_pass`).
+
+    Returns:
+        False without a :class:`WorkerSeeding`.
+    """
+    fn = getattr(_torch_loader(dataloader), "worker_init_fn", None)
+    if not isinstance(fn, WorkerSeeding):
+        return False
+    fn.new_pass()
+    return True
+
+
 def install_worker_seeding(dataloader: Any, seed: int, rank: int, split: str = "train") -> bool:
     """Install :class:`WorkerSeeding` as ``dataloader.worker_init_fn``, chaining the user's.
 
     Nothing is installed in a loader without workers, or one already seeded by this
     package. When the loader's sampler has ``set_epoch`` (``DistributedSampler``, which
-    Lightning advances every epoch) the seeding follows it.
+    Lightning advances every epoch) the seeding follows it. Each iteration of the loader
+    starts a new pass for the workers: persistent ones reseed, so every pass of an epoch
+    draws the same numbers (the loader's batch sampler, or sampler, gets a subclass of its
+    class that announces the pass).
 
     Args:
         dataloader: A ``torch.utils.data.DataLoader`` (or the package's ``WorkerLoader``).
@@ -332,6 +451,7 @@ def install_worker_seeding(dataloader: Any, seed: int, rank: int, split: str = "
             seeding.follow(sampler)
             break
     dl.worker_init_fn = seeding
+    _count_passes(dl, seeding)
     return True
 
 

@@ -682,3 +682,90 @@ def test_ddp_with_a_logger_on_rank_0_only_does_not_hang(tmp_path, monkeypatch):
     trainer.fit(SpendingModel(Spend(0.0)), loader(32, 4, Spend(0.0)))
     rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
     assert len([r for r in rows if r.get("fastdata/data_wait_ms")]) == 2  # 4 steps per rank, every 2nd logged
+
+
+# --------------------------------------------------------------------------- found by review 46
+
+
+class _Runs(L.LightningModule):
+    """Records the samples of every validation run (sanity check included), one list per run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(1))
+        self.runs: list[list[float]] = []
+
+    def training_step(self, batch, batch_idx):
+        return self.p.sum()
+
+    def on_validation_epoch_start(self) -> None:
+        self.runs.append([])
+
+    def validation_step(self, batch, batch_idx):
+        self.runs[-1].extend(batch.tolist())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _Loaders(L.LightningDataModule):
+    """Hands out the same loader objects at every call, as a user's module that builds them once may."""
+
+    seed = 7
+
+    def __init__(self, val: DataLoader, train: DataLoader | None = None) -> None:
+        super().__init__()
+        self.train, self.val = train, val
+
+    def train_dataloader(self) -> DataLoader:
+        return self.train
+
+    def val_dataloader(self) -> DataLoader:
+        return self.val
+
+
+@pytest.mark.parametrize("sampler", ["sequential", "distributed"])
+def test_a_validate_after_a_fit_draws_what_a_validate_on_a_fresh_trainer_draws(tmp_path, sampler):
+    # The workers were seeded for the epoch the fit had reached (and, with a DistributedSampler,
+    # followed the fit's progress that Lightning sets on it outside a fit), so a validate after
+    # a fit drew other numbers than one on a fresh Trainer: docs/seeding.md promises the same.
+    def val_loader() -> DataLoader:
+        ds = _UserRandom()
+        distributed = torch.utils.data.DistributedSampler(ds, 1, 0, shuffle=False)
+        kw = {"sampler": distributed} if sampler == "distributed" else {}
+        return DataLoader(ds, batch_size=2, num_workers=1, **kw)
+
+    def fresh_validate() -> list[float]:
+        model = _Runs()
+        make_trainer(tmp_path, callbacks=[FastDataCallback(print_report=False)]).validate(
+            model, _Loaders(val_loader()), verbose=False)
+        return model.runs[-1]
+
+    fresh = fresh_validate()
+    assert fresh == fresh_validate()
+    model, loaders = _Runs(), _Loaders(val_loader(), DataLoader(_UserRandom(), batch_size=2, num_workers=1))
+    t = make_trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, callbacks=[FastDataCallback(print_report=False)])
+    t.fit(model, loaders)
+    assert model.runs[-1] != fresh  # the fit's last epoch draws its own numbers
+    t.validate(model, loaders, verbose=False)  # the fit's very loader objects
+    assert model.runs[-1] == fresh
+    t.validate(model, _Loaders(val_loader()), verbose=False)  # a new loader
+    assert model.runs[-1] == fresh
+
+
+def test_persistent_validation_workers_draw_the_same_at_every_run_of_an_epoch(tmp_path):
+    # A persistent worker reseeded only when the epoch changed: the second validation run of an
+    # epoch (and the first after a sanity check) continued its stream instead of drawing anew.
+    def runs(persistent: bool, sanity: int) -> list[list[float]]:
+        def loader() -> DataLoader:
+            return DataLoader(_UserRandom(), batch_size=2, num_workers=1, persistent_workers=persistent)
+
+        model = _Runs()
+        make_trainer(tmp_path, max_epochs=2, val_check_interval=0.5, num_sanity_val_steps=sanity,
+                     callbacks=[FastDataCallback(print_report=False)]).fit(model, _Loaders(loader(), loader()))
+        return model.runs[1:] if sanity else model.runs
+
+    reference = runs(False, 0)
+    assert len(reference) == 4 and reference[0] == reference[1] and reference[2] == reference[3]
+    assert reference[0] != reference[2]  # epochs still differ
+    assert runs(True, 2) == reference

@@ -346,6 +346,99 @@ def test_datamodule_worker_loader_seeds_per_epoch(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a, _datamodule_epochs(tmp_path), strict=True))
 
 
+def test_persistent_workers_draw_the_same_at_every_pass_of_an_epoch():
+    # A persistent worker reseeded only when the epoch changed: a second pass in the same epoch
+    # (a second validation run) continued its stream, and so did a pass after an abandoned one.
+    def passes(persistent: bool, dataset: Dataset) -> list[torch.Tensor]:
+        dl = _loader(dataset, 2, persistent=persistent)
+        S.install_worker_seeding(dl, seed=5, rank=0, split="val")
+        S.set_worker_epoch(dl, 1)
+        out = [torch.cat(list(dl))]
+        next(iter(dl))  # a pass cut short, as a sanity check is
+        out += [torch.cat(list(dl)), torch.cat(list(dl))]
+        del dl  # shuts persistent workers down
+        return out
+
+    for dataset in (Draws(4), IterDraws()):
+        reference = passes(False, dataset)
+        assert all(torch.equal(p, reference[0]) for p in reference)
+        assert all(torch.equal(p, reference[0]) for p in passes(True, dataset)), type(dataset).__name__
+
+
+def _random_validation(tmp_path: Path, persistent: bool):
+    """A data module whose dataset draws from torch, numpy and random, and a model recording
+    every validation run's samples (one list per run, the sanity check's included)."""
+    import lightning as L
+    from _helpers import TinyDataModule
+
+    class DM(TinyDataModule):
+        def source(self, split):
+            return RandomSource() if split in ("train", "val") else None
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+            self.runs: list[list[float]] = []
+
+        def training_step(self, batch, batch_idx):
+            return (self.p * batch[0].sum()).sum()
+
+        def on_validation_epoch_start(self) -> None:
+            self.runs.append([])
+
+        def validation_step(self, batch, batch_idx):
+            self.runs[-1].extend(batch[0].flatten().tolist())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def dm() -> DM:
+        return DM(store=False, strategy="workers", num_workers=1, persistent_workers=persistent, batch_size=4,
+                  seed=3, cache_dir=str(tmp_path / "cache"))
+
+    return dm, Model
+
+
+def test_datamodule_validation_runs_of_an_epoch_draw_alike_whatever_ran_before(tmp_path):
+    # A persistent worker reseeded only when the epoch changed: the second validation run of an
+    # epoch, or the first after a sanity check, continued the worker's stream.
+    from _helpers import trainer as make_trainer
+
+    def runs(persistent: bool, sanity: int) -> list[list[float]]:
+        dm, Model = _random_validation(tmp_path, persistent)
+        model = Model()
+        make_trainer(tmp_path, val_check_interval=0.5, num_sanity_val_steps=sanity).fit(model, dm())
+        return model.runs[1:] if sanity else model.runs
+
+    reference = runs(persistent=False, sanity=0)
+    assert len(reference) == 2 and len(reference[0]) == 8 * 3 and reference[0] == reference[1]
+    assert runs(persistent=True, sanity=0) == reference
+    assert runs(persistent=True, sanity=2) == reference
+
+
+def test_datamodule_validate_after_a_fit_draws_what_a_fresh_trainer_draws(tmp_path):
+    # The held order kept epoch 0 outside a fit, but the worker seeding following it took
+    # Lightning's set_epoch (the fit's progress) anyway: the validate drew the fit's last epoch.
+    from _helpers import trainer as make_trainer
+
+    dm, Model = _random_validation(tmp_path, persistent=False)
+
+    def fresh() -> list[float]:
+        model = Model()
+        make_trainer(tmp_path).validate(model, dm(), verbose=False)
+        return model.runs[-1]
+
+    first = fresh()
+    assert len(first) == 8 * 3 and first == fresh()
+    model = Model()
+    t = make_trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0)
+    t.fit(model, dm())
+    assert model.runs[-1] != first  # the fit's last epoch draws its own numbers
+    t.validate(model, dm(), verbose=False)
+    assert model.runs[-1] == first
+
+
 # ----------------------------------------------------------------------------- DDP, device strategy
 
 _DDP_SCRIPT = textwrap.dedent('''
