@@ -108,8 +108,8 @@ class Batch:
     Every image and mask field must have the same spatial size (crops and rotations
     keep them aligned) and the same number of samples. Image and mask fields are either all
     tensors or all lists (then sample i of every field has one spatial size). Size-fixing ops
-    (``RandomResizedCrop``, ``Resize((h, w))``, ``CenterCrop``, ``RandomCrop``) turn lists
-    into batch tensors; other ops run once per sample on a list (and keep it a list).
+    (``RandomResizedCrop``, ``Resize((h, w))``, ``CenterCrop``, ``RandomCrop``,
+    ``RandomCropByLabel``) turn lists into batch tensors; other ops run once per sample on a list (and keep it a list).
     """
 
     __slots__ = ("_held", "kinds", "keys", "spatial_dims")
@@ -472,8 +472,8 @@ def per_sample(op: BatchTransform, batch: Batch, params: dict[str, Any] | None =
     if name not in _WARNED:
         _WARNED.add(name)
         warnings.warn(f"{name} runs once per sample on a list of variable-size images (a ragged field); put it "
-                      "after a size-fixing op (RandomResizedCrop, Resize((h, w)), CenterCrop, RandomCrop) to run "
-                      "it on one batch tensor", stacklevel=4)
+                      "after a size-fixing op (RandomResizedCrop, Resize((h, w)), CenterCrop, RandomCrop, "
+                      "RandomCropByLabel) to run it on one batch tensor", stacklevel=4)
     names = batch.names("image", "mask")
     rows = torch.arange(len(batch), device=batch.keys.device)
     outs: dict[str, list[torch.Tensor]] = {k: [] for k in names}

@@ -463,6 +463,10 @@ class RandomCropByLabel(BatchTransform):
     centre correction), so the drawn voxel stays inside the window but is not always its
     centre. The same window is cut from every image and mask field; ``other`` passes through.
 
+    A list of samples of varying sizes (a ragged batch, e.g. CT volumes) becomes one batch
+    tensor of windows: each sample's centre and window are drawn and cut as in a batch
+    tensor of samples of its size (its own keys), so later ops run on one batch.
+
     Where MONAI differs (``RandCropByPosNegLabeld`` with its defaults): it counts a voxel as
     foreground where the label is non-zero, so negative values (an ignore label of -1) are
     foreground there and background here; and for a label of several channels it drops
@@ -484,6 +488,8 @@ class RandomCropByLabel(BatchTransform):
         neg: Weight of background centres, >= 0 (pos + neg > 0).
         label: The field whose voxels > 0 are foreground (usually the mask).
     """
+
+    lists = True
 
     def __init__(self, size: int | Sequence[int], pos: float = 1.0, neg: float = 1.0, label: str = "label") -> None:
         self.size = spatial_arg(size, "size", lowest=1)
@@ -528,11 +534,13 @@ class RandomCropByLabel(BatchTransform):
         return counts
 
     def window_size(self, batch: Batch) -> tuple[int, ...]:
-        """The window's size, one entry per spatial dim of ``batch``."""
+        """The window's size, one entry per spatial dim of ``batch``; every sample of a
+        ragged batch must hold it."""
         size = per_dim(self.size, batch.spatial_dims, "size", "RandomCropByLabel")
-        if any(c > s for c, s in zip(size, batch.spatial_size, strict=True)):
-            raise ValueError(f"RandomCropByLabel size {size} is larger than the input {batch.spatial_size}; "
-                             "lower size, or pad first (RandomCrop with padding)")
+        for spatial in batch.spatial_size if batch.ragged else [batch.spatial_size]:
+            if any(c > s for c, s in zip(size, spatial, strict=True)):
+                raise ValueError(f"RandomCropByLabel size {size} is larger than the input {spatial}; "
+                                 "lower size, or pad first (RandomCrop with padding)")
         return size
 
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -542,6 +550,12 @@ class RandomCropByLabel(BatchTransform):
             raise ValueError(f"RandomCropByLabel(label={self.label!r}) needs an image or mask field of that name; "
                              f"the batch has {batch.kinds}")
         size = self.window_size(batch)
+        if batch.ragged:
+            # Each sample as a batch of one with its own keys: the draw is per sample, so this
+            # is the centre and window it gets in a batch tensor of samples of its size.
+            rows = torch.arange(len(batch), device=batch.keys.device)
+            each = [self.make_params(batch.sample(i, rows)) for i in range(len(batch))]
+            return {k: torch.cat([p[k] for p in each]) for k in each[0]}
         spatial = batch.spatial_size
         voxels, p_fg = math.prod(spatial), self.pos / (self.pos + self.neg)
         u = batch.keys.uniform(0, 2, dtype=torch.float64)
@@ -580,7 +594,12 @@ class RandomCropByLabel(BatchTransform):
         """Cut the windows at ``offset`` from every image and mask field; ``flip`` (bool (N,)
         or (N, len(flip_dims))) also mirrors each sample along ``flip_dims`` in the same pass
         (``Compose`` fuses a following ``RandomFlip`` this way); ``image_cut`` (see
-        :data:`ImageCut`) makes the image fields instead."""
+        :data:`ImageCut`) makes the image fields instead. A ragged batch (lists) becomes one
+        batch tensor of windows."""
+        if batch.ragged:
+            if image_cut is not None:
+                raise ValueError("RandomCropByLabel image_cut needs a batch tensor, not a list of samples")
+            return self._apply_list(batch, offset, flip, flip_dims)
         size, sd = self.window_size(batch), batch.spatial_dims
         flips = _flip_columns(flip)
         if flips is None:
@@ -589,6 +608,23 @@ class RandomCropByLabel(BatchTransform):
             crop = lambda x, rows: keep_format(  # noqa: E731
                 flip_window(x, offset, size, sd, flips, flip_dims, rows=rows), x)
         return batch.map_rows(image=_cut_images(image_cut, offset, size, sd, flips, flip_dims) or crop, mask=crop)
+
+    def _apply_list(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None,
+                    flip_dims: Sequence[int]) -> Batch:
+        """Each sample's window cut as in a batch of one (the cut a batch tensor gives it,
+        from the sample itself: no padded canvas of whole volumes), joined into one tensor."""
+        self.window_size(batch)  # the clear error for a sample smaller than the window
+        names = batch.names("image", "mask")
+        for name in names:
+            lead_shape(batch.fields[name], batch.spatial_dims, name)
+        rows = torch.arange(len(batch), device=batch.keys.device)
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        for i in range(len(batch)):
+            one = self.apply_batch(batch.sample(i, rows), offset[i:i + 1],
+                                   None if flip is None else flip[i:i + 1], flip_dims)
+            for name in names:
+                parts[name].append(one.fields[name])
+        return batch.replace({name: torch.cat(xs) for name, xs in parts.items()})
 
 
 #: Windows of at least this many elements per sample are mirrored along the last axis after

@@ -38,8 +38,8 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
-#: One elementwise step: ("cast", dtype), ("mul", v), ("add", v) or ("clamp", (lo, hi)); v is
-#: a Python float (every element) or a (N,) tensor (one value per sample).
+#: One elementwise step: ("cast", dtype), ("mul", v), ("div", v), ("add", v) or ("clamp",
+#: (lo, hi)); v is a Python float (every element) or a (N,) tensor (one value per sample).
 Step = tuple[str, Any]
 
 #: On the CPU a chain of steps runs over chunks of about this many elements: a chunk stays in
@@ -155,6 +155,8 @@ def _run_chunk(src: torch.Tensor, dst: torch.Tensor, steps: list[Step], per_samp
         read, pending = (cur if pending is None else pending), None
         if kind == "mul":
             torch.mul(read, value, out=cur)
+        elif kind == "div":
+            torch.div(read, value, out=cur)
         elif kind == "add":
             torch.add(read, value, out=cur)
         else:
@@ -191,13 +193,19 @@ class ScaleIntensityRange(PointwiseIntensity):
         self.clip, self.dtype = bool(clip), dtype
 
     def steps(self, dtype: torch.dtype) -> list[Step]:  # type: ignore[override]
-        """In float64 if the input or output is float64, else float32: ``x * scale + shift``,
-        clamped if ``clip``, cast to ``dtype``."""
-        scale = (self.b_max - self.b_min) / (self.a_max - self.a_min)
-        shift = self.b_min - self.a_min * scale
+        """In float64 if the input or output is float64, else float32: MONAI's
+        ``(x - a_min) / (a_max - a_min) * (b_max - b_min) + b_min`` (a multiplication by 1
+        and an addition of 0 left out), clamped if ``clip``, cast to ``dtype``."""
         target = DTYPES[self.dtype]
         dt = torch.float64 if torch.float64 in (dtype, target) else torch.float32
-        out: list[Step] = [("cast", dt), ("mul", scale), ("add", shift)]
+        # MONAI's operations in its order, not a precomputed ``x * scale + shift``, which put
+        # a voxel at a_min (a_max) a rounding off b_min (b_max); a_min and a_max now land
+        # exactly, and for b in [0, 1] it is as many steps.
+        out: list[Step] = [("cast", dt), ("add", -self.a_min), ("div", self.a_max - self.a_min)]
+        if self.b_max - self.b_min != 1.0:
+            out.append(("mul", self.b_max - self.b_min))
+        if self.b_min != 0.0:
+            out.append(("add", self.b_min))
         if self.clip:
             out.append(("clamp", (self.b_min, self.b_max)))
         return [*out, ("cast", target)]

@@ -682,7 +682,10 @@ class RandomRotation(RandomAffine):
     """Rotate each sample by its own random angle (``torchvision.transforms.v2.RandomRotation``).
 
     The output keeps the input size (torchvision's ``expand=False``); masks turn alike,
-    nearest-neighbour. Volumes turn about each of ``axes``, as ``RandomAffine``.
+    nearest-neighbour. Volumes turn about each of ``axes`` (the last listed first), each
+    D-slice as this op turns an image: a positive angle about an axis turns its plane as
+    ``torch.rot90(k=1)`` on the two other axes, in (D, H, W) order. That is the opposite
+    sense to ``RandomAffine``, which follows ``F.affine`` (clockwise).
 
     Args:
         degrees: Angle range (min, max), or d for (-d, d); counter-clockwise.
@@ -698,14 +701,19 @@ class RandomRotation(RandomAffine):
         super().__init__(degrees, interpolation=interpolation, fill=fill, center=center, axes=axes)
 
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """2-D: ``angle`` float64 (N,), degrees counter-clockwise. 3-D: as ``RandomAffine``."""
+        """2-D: ``angle`` float64 (N,), degrees counter-clockwise. 3-D: ``angles``,
+        ``translate`` and ``scale`` as ``RandomAffine`` (translate 0, scale 1), with
+        ``angles`` counter-clockwise."""
         p = super().make_params(batch)
         return p if batch.spatial_dims == 3 else {"angle": p["angle"]}
 
     def apply_batch(self, batch: Batch, **params: torch.Tensor) -> Batch:
         """``F.rotate`` of each sample by its own angle."""
         if batch.spatial_dims == 3:
-            return super().apply_batch(batch, **params)
+            # RandomAffine turns each plane as F.affine does (clockwise for a positive angle);
+            # negate as in 2-D so a volume turns the way this op turns an image (rot90 k=+1
+            # on the plane of the two other axes at 90 degrees).
+            return super().apply_batch(batch, **{**params, "angles": -params["angles"]})
         angle = params["angle"]
         zero, one = torch.zeros_like(angle), torch.ones_like(angle)
         # torchvision's rotate passes -angle to the same inverse matrix as affine.

@@ -584,6 +584,80 @@ def test_crop_by_label_refuses_bad_setups():
 
 
 
+def _ragged_volumes(sizes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    imgs = [torch.randint(-1000, 1000, (1, *s), generator=g).to(torch.int16) for s in sizes]
+    # sample 1 has no foreground: its centre falls back to the background
+    labs = [(torch.rand((1, *s), generator=g) < (0.0 if i == 1 else 0.05)).to(torch.uint8) * 2
+            for i, s in enumerate(sizes)]
+    return imgs, labs
+
+
+@pytest.mark.usefixtures("both_paths")
+def test_crop_by_label_of_a_ragged_list_is_one_batch_cut_as_each_sample_alone():
+    """Volumes of different sizes (a list, the usual CT case) become one batch tensor of
+    windows, each sample's window and mask cut as it is cut alone in a batch tensor; no op
+    after it runs per sample (it stayed a list, and every later op warned)."""
+    sizes = [(20, 24, 22), (12, 30, 40), (9, 9, 33), (12, 30, 40)]
+    imgs, labs = _ragged_volumes(sizes)
+    kinds = {"image": "image", "label": "mask"}
+    k = keys(len(sizes), seed=2)
+    batch = A.Batch({"image": imgs, "label": labs, "id": torch.arange(4)}, kinds | {"id": "other"}, k)
+    op = A.RandomCropByLabel((8, 6, 7), pos=3, neg=1)
+    p = op.draw(batch)
+    out = op(batch)
+    assert out.fields["image"].shape == (4, 1, 8, 6, 7) and out.fields["label"].shape == (4, 1, 8, 6, 7)
+    assert out.fields["image"].dtype == torch.int16 and out.fields["label"].dtype == torch.uint8
+    assert torch.equal(out.fields["id"], torch.arange(4))
+    for i in range(4):
+        alone = A.Batch({"image": imgs[i][None], "label": labs[i][None]}, kinds, k.take(torch.tensor([i])))
+        pa = op.draw(alone)
+        assert all(torch.equal(pa[name][0], p[name][i]) for name in pa), i
+        one = op(alone)
+        assert torch.equal(out.fields["image"][i], one.fields["image"][0]), i
+        assert torch.equal(out.fields["label"][i], one.fields["label"][0]), i
+        window = (slice(None), *(slice(o, o + s) for o, s in zip(p["offset"][i].tolist(), (8, 6, 7), strict=True)))
+        assert torch.equal(out.fields["label"][i], labs[i][window]), i
+        assert bool(labs[i][(0, *p["center"][i].tolist())] > 0) == bool(p["foreground"][i]), i
+    assert not p["foreground"][1]  # no foreground: a background centre
+    # samples of one size: the list cuts what the batch tensor cuts
+    same = A.Batch({"image": imgs[1::2], "label": labs[1::2]}, kinds, k.take(torch.tensor([1, 3])))
+    stacked = A.Batch({"image": torch.stack(imgs[1::2]), "label": torch.stack(labs[1::2])}, kinds,
+                      k.take(torch.tensor([1, 3])))
+    assert all(torch.equal(op(same).fields[n], op(stacked).fields[n]) for n in kinds)
+    # mirrored in the cut (as Compose passes a following flip) as cut, then flipped
+    flip = torch.tensor([[True, False], [False, True], [True, True], [False, False]])
+    mirrored = op.apply(batch, **p, flip=flip, flip_dims=(-3, -1))
+    for i in range(4):
+        dims = [d for d, f in zip((-3, -1), flip[i].tolist(), strict=True) if f]
+        want = out.fields["label"][i].flip(dims) if dims else out.fields["label"][i]
+        assert torch.equal(mirrored.fields["label"][i], want), i
+    # a sample smaller than the window: the error of a batch tensor, naming its size
+    with pytest.raises(ValueError, match=r"size \(10, 6, 7\) is larger than the input \(9, 9, 33\)"):
+        A.RandomCropByLabel((10, 6, 7))(batch)
+
+
+def test_compose_starting_with_crop_by_label_on_a_ragged_list_runs_on_one_batch():
+    """Crop, flip and the intensity chain on a list: each sample as it comes out of the same
+    pipeline alone in a batch tensor, without a per-sample warning."""
+    import warnings
+
+    sizes = [(20, 24, 22), (12, 30, 40), (9, 9, 33)]
+    imgs, labs = _ragged_volumes(sizes, seed=5)
+    kinds = {"image": "image", "label": "mask"}
+    k = keys(3, seed=8)
+    pipe = A.Compose([A.RandomCropByLabel((8, 8, 8)), A.RandomFlip((-3, -2, -1)),
+                      A.ScaleIntensityRange(-200, 300, clip=True), A.RandomScaleIntensity(0.1)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = pipe(A.Batch({"image": imgs, "label": labs}, kinds, k))
+    assert out.fields["image"].shape == (3, 1, 8, 8, 8) and out.fields["image"].dtype == torch.float32
+    for i in range(3):
+        one = pipe(A.Batch({"image": imgs[i][None], "label": labs[i][None]}, kinds, k.take(torch.tensor([i]))))
+        assert torch.equal(out.fields["image"][i], one.fields["image"][0]), i
+        assert torch.equal(out.fields["label"][i], one.fields["label"][0]), i
+
+
 @pytest.mark.parametrize("kw, error, match", [
     ({"pos": "1"}, TypeError, "pos must be a number, got '1'"),
     ({"neg": None}, TypeError, "neg must be a number, got None"),

@@ -34,6 +34,32 @@ def test_scale_intensity_range_is_monai_windowing(dtype, clip):
         A.ScaleIntensityRange(5, 5)
 
 
+@pytest.mark.parametrize("window", [(-175, 250, 0.0, 1.0), (-1000, 1000, 0.0, 1.0), (-57, 164, -1.0, 1.0),
+                                    (-160, 240, 0.5, 3.0)])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.usefixtures("mirror_regimes")
+def test_scale_intensity_range_maps_a_min_and_a_max_exactly_as_monai(window, clip):
+    """MONAI's float32 operations in its order, bit for bit: a voxel at a_min is b_min and one
+    at a_max is b_max exactly (``x * scale + shift`` put a_min 3e-8 off b_min); alone and
+    fused in a chain with a crop and other intensity ops."""
+    a_min, a_max, b_min, b_max = window
+    x = torch.arange(-1200, 1200, dtype=torch.int16).view(1, 1, 1, 24, 100)
+    op = A.ScaleIntensityRange(a_min, a_max, b_min, b_max, clip=clip)
+    out = op(x)
+    xf = x.float()
+    ref = (xf - a_min) / (a_max - a_min) * (b_max - b_min) + b_min  # MONAI's ScaleIntensityRange
+    if clip:
+        ref = ref.clamp(b_min, b_max)
+    assert torch.equal(out, ref)
+    flat = out.flatten()
+    assert flat[a_min + 1200].item() == b_min and flat[a_max + 1200].item() == b_max
+    k = keys(1)
+    pipe = [A.RandomCrop((1, 24, 100)), A.RandomFlip((-3,)), op, A.RandomScaleIntensity(0.1)]
+    fused = A.Compose(pipe)(x, k)
+    factor = pipe[3].draw(x, k.child(3))["factor"]
+    assert torch.equal(fused, ref * (1.0 + factor.float()).view(-1, 1, 1, 1, 1))
+
+
 def test_random_scale_and_shift_follow_the_reported_parameters():
     x = _ct(8).float()
     scale = A.RandomScaleIntensity(0.2, p=0.5)
@@ -130,10 +156,9 @@ def test_intensity_ops_leave_masks_untouched(op):
 def _one_by_one(x, op, params):
     """The intensity ops as plain tensor formulas, one op at a time (each a full pass)."""
     if isinstance(op, A.ScaleIntensityRange):
-        scale = (op.b_max - op.b_min) / (op.a_max - op.a_min)
         target = getattr(torch, op.dtype)
         dt = torch.float64 if torch.float64 in (x.dtype, target) else torch.float32
-        out = x.to(dt).mul(scale).add_(op.b_min - op.a_min * scale)
+        out = (x.to(dt) - op.a_min) / (op.a_max - op.a_min) * (op.b_max - op.b_min) + op.b_min
         return (out.clamp_(op.b_min, op.b_max) if op.clip else out).to(target)
     y = x if x.is_floating_point() else x.to(torch.float32)
     per = (1.0 + params["factor"] if "factor" in params else params["offset"]).to(y.dtype)

@@ -269,10 +269,10 @@ def test_affine_3d_quarter_turns_nearest_equal_torch_rot90():
     for axis, plane in ((-3, (-2, -1)), (-2, (-3, -1)), (-1, (-3, -2))):
         op = A.RandomAffine(90, axes=(axis,))
         out = op.apply(batch, angles=torch.full((2, 1), 90.0, dtype=torch.float64), translate=zero, scale=one)
-        k = 1 if torch.equal(out.fields["image"][0], torch.rot90(vol[0], 1, plane)) else 3
+        # F.affine's sense: a positive angle turns clockwise, rot90 k=-1.
         for i in range(2):
-            assert torch.equal(out.fields["image"][i], torch.rot90(vol[i], k, plane)), axis
-            assert torch.equal(out.fields["label"][i], torch.rot90(lab[i], k, plane)), axis
+            assert torch.equal(out.fields["image"][i], torch.rot90(vol[i], -1, plane)), axis
+            assert torch.equal(out.fields["label"][i], torch.rot90(lab[i], -1, plane)), axis
     # Two axes: the last listed turns first.
     op = A.RandomAffine(90, axes=(-3, -1))
     out = op.apply(vol, angles=torch.tensor([[90.0, 180.0], [0.0, 90.0]], dtype=torch.float64),
@@ -282,6 +282,33 @@ def test_affine_3d_quarter_turns_nearest_equal_torch_rot90():
     both = A.RandomAffine(90, axes=(-3,)).apply(first, angles=torch.tensor([[90.0], [0.0]], dtype=torch.float64),
                                                 translate=zero, scale=one)
     assert torch.equal(out, both)
+
+
+@pytest.mark.parametrize("degrees,k", [(90, 1), (-90, -1)])
+def test_rotation_3d_quarter_turns_equal_torch_rot90_counter_clockwise(degrees, k):
+    """RandomRotation turns volumes in its documented (torchvision rotate's) sense on every
+    axis: a positive quarter turn is rot90 k=+1 on the plane of the two other axes, image
+    and mask alike, as the 2-D op turns an image (it turned the other way)."""
+    vol = torch.randint(0, 256, (2, 1, 5, 5, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    lab = (vol > 100).to(torch.uint8) + (vol > 200).to(torch.uint8)
+    batch = A.Batch({"image": vol, "label": lab}, {"image": "image", "label": "mask"}, keys(2))
+    for axis, plane in ((-3, (-2, -1)), (-2, (-3, -1)), (-1, (-3, -2))):
+        out = A.RandomRotation((degrees, degrees), axes=(axis,))(batch)
+        assert torch.equal(out.fields["image"], torch.rot90(vol, k, plane)), axis
+        assert torch.equal(out.fields["label"], torch.rot90(lab, k, plane)), axis
+    # Two axes, the last listed first: a quarter turn about W, then one about D.
+    out = A.RandomRotation((degrees, degrees), axes=(-3, -1))(vol, keys(2))
+    assert torch.equal(out, torch.rot90(torch.rot90(vol, k, (-3, -2)), k, (-2, -1)))
+
+
+def test_rotation_3d_about_depth_turns_each_slice_as_the_2d_op():
+    vol = torch.rand(3, 1, 4, 9, 9, generator=torch.Generator().manual_seed(5))
+    op = A.RandomRotation(50, interpolation="bilinear", axes=(-3,))
+    p = op.draw(vol, keys(3))
+    out = op.apply(vol, **p)
+    for i in range(3):
+        angle = p["angles"][i, 0].expand(4)
+        close(out[i, 0], A.RandomRotation(50, interpolation="bilinear").apply(vol[i, 0, :, None], angle=angle)[:, 0])
 
 
 def test_affine_3d_matrix_composes_the_single_axis_maps():
