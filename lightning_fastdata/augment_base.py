@@ -9,6 +9,7 @@ between N and C (video frames) share their sample's draw.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import threading
@@ -394,6 +395,25 @@ def as_batch(x: torch.Tensor | Batch, keys: SampleKeys | None) -> tuple[Batch, s
     return Batch({"image": x}, {"image": "image"}, keys, x.ndim - 2), "image"
 
 
+def _naming_errors(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` whose ValueError or TypeError names the op built: a bad argument in a
+    ``Compose`` of a YAML config said "p must be in [0, 1], got 1.5", not which of its ops."""
+
+    @functools.wraps(init)
+    def named(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except (ValueError, TypeError) as e:
+            op = type(self).__name__
+            text = str(e.args[0]) if len(e.args) == 1 and isinstance(e.args[0], str) else None
+            if text is not None and not text.startswith(op) and not getattr(e, "_lfd_named", False):
+                e.args = (f"{op}: {text}",)
+            e._lfd_named = True  # type: ignore[attr-defined]  # a subclass's init calling its base's
+            raise
+
+    return named
+
+
 class BatchTransform:
     """Base class of the ops: ``op(x)`` or ``op(x, keys)`` returns the transformed batch.
 
@@ -414,6 +434,12 @@ class BatchTransform:
 
     #: Whether ``make_params`` and ``apply_batch`` take ragged batches (lists of samples).
     lists = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            cls.__init__ = _naming_errors(init)  # type: ignore[method-assign]
 
     def __call__(self, x: torch.Tensor | list[torch.Tensor] | Batch,
                  keys: SampleKeys | None = None) -> torch.Tensor | list[torch.Tensor] | Batch:

@@ -656,3 +656,18 @@ def test_2d_ops_on_volumes_without_a_channel_axis_equal_the_3d_ops_on_those_axes
     k = keys(5)
     for op in (A.RandomFlip(dims=(-2, -1)), A.RandomRot90(dims=(-2, -1)), A.RandomAffine(30)):
         assert torch.equal(op(vol, k), op(vol[:, None], k)[:, 0]), op
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: A.RandomRot90(p=1.5), r"^RandomRot90: p must be in \[0, 1\], got 1.5$"),
+    (lambda: A.CenterCrop(0), r"^CenterCrop: size must be >= 1, got 0$"),
+    (lambda: A.Normalize([0.5, 0.5], [0.2, 0.0]), r"^Normalize: std must be > 0"),
+    # RandomRotation's init calls RandomAffine's: the op built is named, once.
+    (lambda: A.RandomRotation(degrees="x"), r"^RandomRotation: degrees must be a number or a pair"),
+    (lambda: A.Compose([A.RandomHorizontalFlip(), A.RandomVerticalFlip(p=-1)]),
+     r"^RandomVerticalFlip: p must be in \[0, 1\], got -1$"),
+])
+def test_a_bad_argument_names_the_op_it_was_given_to(make, message):
+    """In a Compose of a YAML config, "p must be in [0, 1], got 1.5" did not say which op."""
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()
