@@ -134,7 +134,7 @@ class _ToolCLI(LightningCLI):
         self.datamodule: OptimizedDataModule
         super().__init__(None, OptimizedDataModule, subclass_mode_model=True, subclass_mode_data=True,
                          args=args, run=False, save_config_callback=None,
-                         parser_kwargs={"description": _USAGE.splitlines()[0]})
+                         parser_kwargs={"description": _USAGE.splitlines()[0], "prog": f"fastdata {tool}"})
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The model is not needed to plan or to bench the loaders: accepted, not required.
@@ -628,10 +628,17 @@ def main(args: list[str] | None = None) -> None:
         if not argv:
             raise SystemExit(2)
         return
-    if argv[0] == "cache":
-        run_cache(argv[1:])
-    elif argv[0] in _TOOLS:
-        _run_tool(argv[0], argv[1:])
+    if argv[0] in ("cache", *_TOOLS):
+        try:
+            if argv[0] == "cache":
+                run_cache(argv[1:])
+            else:
+                _run_tool(argv[0], argv[1:])
+        except BrokenPipeError:
+            # `fastdata cache list | head`: the reader left. Python's recipe: no traceback, and
+            # stdout pointed at /dev/null so that the flush at exit does not fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
     elif argv[0] in _LIGHTNING or argv[0].startswith("-"):
         FastDataCLI(args=argv)
     else:

@@ -353,6 +353,17 @@ def _caches(tmp_path):
     return cache, reading, old_path
 
 
+def test_cache_list_into_a_closed_pipe_ends_without_a_traceback(tmp_path):
+    """``fastdata cache list | head``: the reader leaves early; a BrokenPipeError traceback was printed."""
+    cache, reading, _ = _caches(tmp_path)
+    reading.stores["train"].close()
+    command = [sys.executable, "-m", "lightning_fastdata.cli", "cache", "list", "--cache-dir", str(cache)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the interpreter has started: its first write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and b"Traceback" not in err and b"BrokenPipeError" not in err
+
+
 def test_cache_list_shows_every_cache_with_size_age_and_use(tmp_path, capsys):
     cache, reading, old_path = _caches(tmp_path)
     main(["cache", "list", "--cache-dir", str(cache)])
