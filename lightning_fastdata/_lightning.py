@@ -368,6 +368,27 @@ def reclass_worker_dataset(dataset: Any, cls: type) -> None:
     dataset.__class__ = cls
 
 
+def reclass_sampler(sampler: Any, cls: type) -> None:
+    """Give a DataLoader's (batch) sampler class ``cls`` (a subclass of its own, in the main process).
+
+    Relies on torch's loader iterator calling ``iter()`` on the very object
+    ``DataLoader._index_sampler`` returns, at each iteration and each persistent-worker
+    reset (``_BaseDataLoaderIter.__init__`` and ``_reset``; torch 2.14.1). Raises TypeError
+    where Python refuses (``__slots__``, built-in types).
+    """
+    sampler.__class__ = cls
+
+
+def namedtuple_fields(cls: type) -> tuple[str, ...] | None:
+    """The field names of a namedtuple class, else None.
+
+    Python's namedtuple API (``_fields``: public per the ``collections`` docs, despite its
+    underscore); here so that every underscore name the package reads is in this file.
+    """
+    fields = getattr(cls, "_fields", None)
+    return fields if isinstance(fields, tuple) and issubclass(cls, tuple) else None
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """The in-place write counter of ``t`` (bumped by every in-place op on it or a view of it).
 

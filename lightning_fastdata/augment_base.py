@@ -859,7 +859,10 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     cache = _SCRATCH.__dict__.setdefault("buffers", {})
     buf = cache.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        # Never an inference tensor: made under inference_mode (a validate before any fit:
+        # Lightning evaluates in it), the buffer refused every in-place write after it.
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype, device=device)
         cache[dtype] = buf
     return buf[:numel]
 

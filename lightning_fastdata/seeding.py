@@ -19,6 +19,7 @@ before them and whether or not the workers persist.
 
 from __future__ import annotations
 
+import copyreg
 import os
 import random
 import warnings
@@ -368,17 +369,46 @@ def _pass_counting_class(cls: type) -> type:
         return sub
 
     def __iter__(self: Any) -> Iterator[Any]:
-        # A generator: this runs at the first draw of indices, not at iter(), so after
-        # persistent workers acknowledged the new iteration (see WorkerSeeding.new_pass).
-        seeding = getattr(self, "_lfd_pass_seeding", None)
-        if seeding is not None:
-            seeding.new_pass()
-        yield from cls.__iter__(self)
+        # The class's own iterator, stepped with next() only: a sampler that is its own
+        # iterator (Lightning's _IndexBatchSamplerWrapper returns self) must not be iter()-ed
+        # again, which would come back here.
+        return _announcing(cls.__iter__(self), getattr(self, "_lfd_pass_seeding", None))
 
-    ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__iter__": __iter__}
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        # Pickled (ddp_spawn, deepcopy) as the user's own class, without the seeding: pickle
+        # looks classes up by name, and this one's name is the original's.
+        rv = list(cls.__reduce_ex__(self, protocol))
+        if len(rv) > 1 and isinstance(rv[1], tuple):
+            rv[1] = tuple(cls if a is sub else a for a in rv[1])
+            if rv[0] is copyreg.__newobj__:  # it checks that the class is the object's own
+                rv[0] = _new_instance
+        if len(rv) > 2 and isinstance(rv[2], dict) and "_lfd_pass_seeding" in rv[2]:
+            rv[2] = {k: v for k, v in rv[2].items() if k != "_lfd_pass_seeding"}
+        return tuple(rv)
+
+    ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__iter__": __iter__,
+          "__reduce_ex__": __reduce_ex__}
     sub = type(cls.__name__, (cls,), ns)
     _PASS_CLASSES[sub] = _PASS_CLASSES[cls] = sub
     return sub
+
+
+def _new_instance(cls: type, *args: Any) -> Any:
+    """``cls.__new__(cls, *args)``: what ``copyreg.__newobj__`` does, for another class than the object's."""
+    return cls.__new__(cls, *args)
+
+
+def _announcing(it: Iterator[Any], seeding: WorkerSeeding | None) -> Iterator[Any]:
+    """``it``'s items; the pass is announced at the first draw, not at ``iter()``: after
+    persistent workers acknowledged the new iteration (see :meth:`WorkerSeeding.new_pass`)."""
+    if seeding is not None:
+        seeding.new_pass()
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        yield item
 
 
 def _count_passes(dl: DataLoader, seeding: WorkerSeeding) -> None:
@@ -388,13 +418,13 @@ def _count_passes(dl: DataLoader, seeding: WorkerSeeding) -> None:
     gets a subclass of its own class that announces the pass. An iterable dataset needs
     none: its workers count their own passes (see :func:`_reseed_per_iteration`).
     """
-    if isinstance(dl.dataset, IterableDataset):
-        return
+    if isinstance(dl.dataset, IterableDataset) or not dl.persistent_workers:
+        return  # workers started afresh for each pass are seeded at their start
     sampler = dl.batch_sampler if dl.batch_sampler is not None else dl.sampler
     if sampler is None or getattr(sampler, "_lfd_pass_seeding", None) is not None:
         return  # a sampler shared with another seeded loader: announcing there would reseed its workers mid-pass
     try:
-        sampler.__class__ = _pass_counting_class(type(sampler))
+        door.reclass_sampler(sampler, _pass_counting_class(type(sampler)))
         sampler._lfd_pass_seeding = seeding
     except (TypeError, AttributeError) as e:
         warnings.warn(

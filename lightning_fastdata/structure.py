@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_fastdata._lightning import namedtuple_fields
 from lightning_fastdata.ragged import RaggedArray
 
 _TV_KINDS = {"Image": "image", "Video": "image", "Mask": "mask"}
@@ -150,8 +151,8 @@ def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarr
 def tuple_spec(node: tuple | list, spec: dict) -> dict:
     """``spec`` of a tuple or list, with the class of a namedtuple recorded (module, name,
     fields) so that :func:`unflatten` rebuilds it, as ``default_collate`` keeps it."""
-    fields = getattr(type(node), "_fields", None)
-    if isinstance(node, tuple) and isinstance(fields, tuple):
+    fields = namedtuple_fields(type(node))
+    if isinstance(node, tuple) and fields is not None:
         spec["namedtuple"] = {"module": type(node).__module__, "name": type(node).__qualname__,
                               "fields": list(fields)}
     return spec
@@ -226,7 +227,7 @@ def _namedtuple(named: dict) -> type:
     cls = _NAMEDTUPLES.get(key)
     if cls is None:
         cls = _import_class(named["module"], named["name"])
-        if not (isinstance(cls, type) and issubclass(cls, tuple) and getattr(cls, "_fields", None) == key[2]):
+        if not (isinstance(cls, type) and namedtuple_fields(cls) == key[2]):
             cls = collections.namedtuple(named["name"].rpartition(".")[2], key[2])  # type: ignore[misc]
         cls = _NAMEDTUPLES[key] = cls
     return cls

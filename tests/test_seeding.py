@@ -365,6 +365,50 @@ def test_persistent_workers_draw_the_same_at_every_pass_of_an_epoch():
         assert all(torch.equal(p, reference[0]) for p in passes(True, dataset)), type(dataset).__name__
 
 
+def test_a_pass_counting_sampler_pickles_as_the_users_own_and_lightning_can_wrap_it():
+    """The persistent loader's batch sampler counts passes through a subclass of its class:
+    pickled (a ``ddp_spawn`` fit after a first run) it failed ("not the same object as
+    BatchSampler"), and Lightning's predict wrapper, whose ``__iter__`` returns itself,
+    recursed without end."""
+    import copy
+    import pickle
+
+    from torch.utils.data import BatchSampler
+
+    dl = DataLoader(Draws(6), batch_size=2, num_workers=1, persistent_workers=True, multiprocessing_context="fork")
+    S.install_worker_seeding(dl, seed=5, rank=0, split="predict")
+    S.set_worker_epoch(dl, 0)
+    for again in (pickle.loads(pickle.dumps(dl.batch_sampler)), copy.deepcopy(dl.batch_sampler)):
+        assert type(again) is BatchSampler and list(again) == [[0, 1], [2, 3], [4, 5]]
+    pickle.dumps(dl)  # the whole loader too
+
+    class SelfIterating:
+        """As Lightning's _IndexBatchSamplerWrapper: ``__iter__`` returns itself."""
+
+        def __init__(self, inner) -> None:
+            self.inner, self.seen = inner, []
+
+        def __iter__(self):
+            self._it = iter(self.inner)
+            return self
+
+        def __next__(self):
+            batch = next(self._it)
+            self.seen.append(batch)
+            return batch
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+    wrapped = DataLoader(Draws(6), batch_sampler=SelfIterating(BatchSampler(range(6), 2, False)), num_workers=1,
+                         persistent_workers=True, multiprocessing_context="fork")
+    S.install_worker_seeding(wrapped, seed=5, rank=0, split="predict")
+    S.set_worker_epoch(wrapped, 0)
+    first, second = torch.cat(list(wrapped)), torch.cat(list(wrapped))
+    assert torch.equal(first, second) and wrapped.batch_sampler.seen[-1] == [4, 5]
+    del dl, wrapped
+
+
 def _random_validation(tmp_path: Path, persistent: bool):
     """A data module whose dataset draws from torch, numpy and random, and a model recording
     every validation run's samples (one list per run, the sanity check's included)."""
