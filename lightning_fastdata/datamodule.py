@@ -282,6 +282,8 @@ class OptimizedDataModule(L.LightningDataModule):
         #: Splits whose stage was torn down: their stores stay inspectable, but the next setup
         #: opens them again (the data may have changed since: a fingerprint decides reuse).
         self._stale: set[str] = set()
+        #: Splits a setup opened (with or without a source): a loader of another split is refused.
+        self._set_up: set[str] = set()
         self._loaders: dict[str, Any] = {}
         self._restored_plan: dict[str, Any] | None = None
         # dm.hparams shows the whole configuration (the subclass's arguments included);
@@ -302,7 +304,8 @@ class OptimizedDataModule(L.LightningDataModule):
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
         except Exception as e:
             missing = [k for k in ("train_augment", "eval_augment") if k not in kwargs and k in str(e)]
-            if not missing:
+            if not missing or "multiple values for keyword argument" in str(e):
+                # (a subclass that sets an augmentation itself: passing it again cannot help)
                 raise
             given = ", ".join(f"{k}=..." for k in missing)
             raise TypeError(
@@ -506,6 +509,7 @@ class OptimizedDataModule(L.LightningDataModule):
         """Open the caches of the stage's splits, make the plan, and place the stores."""
         splits = SPLITS if stage is None else _STAGE_SPLITS.get(stage, SPLITS)
         self.open_splits(splits)
+        self._set_up.update(splits)
         self._check_field_kinds()
         device = self.target_device()
         rank, local_rank, local_world = self._local_place()
@@ -524,7 +528,7 @@ class OptimizedDataModule(L.LightningDataModule):
             placement.segments = {**self.placement.segments, **placement.segments}
         self.placement, self.plan = placement, placement.plan
         if self.plan.num_workers_candidates:
-            self._measure_workers(config, device)
+            self._measure_workers(config, device, splits)
             self._unshare_unread(todo, device, config, sharing)
         self._host_memory(device)
         if self.trainer is not None:
@@ -568,11 +572,25 @@ class OptimizedDataModule(L.LightningDataModule):
                           "page-faulted in afresh each step")
         return False, "batches are built on an accelerator or in DataLoader workers: nothing to gain in this process"
 
-    def _measure_workers(self, config: dict[str, Any], device: torch.device) -> None:
-        """``num_workers="measure"``: time the candidates on the first split's loader (see autotune)."""
+    def _refuse_unset(self, split: str) -> None:
+        """A loader asked for a split the current stage did not set up (a ``val_dataloader``
+        that returns ``self.test_dataloader()`` in a fit): an error naming the setup to run,
+        not an empty loader or a KeyError. A split without a source is no error: ``[]``."""
+        if split not in self.stores and split not in self._raw and self.source(split) is None:
+            return
+        stage = next(st for st, sp in _STAGE_SPLITS.items() if split in sp)
+        raise RuntimeError(
+            f"{type(self).__name__}.{split}_dataloader(): the '{split}' split is not set up for this stage (Lightning "
+            f"sets up the stage's splits only; a teardown releases them): call self.setup({stage!r}) before asking "
+            f"for its loader")
+
+    def _measure_workers(self, config: dict[str, Any], device: torch.device, splits: Sequence[str]) -> None:
+        """``num_workers="measure"``: time the candidates on the loader of the stage's first split (see autotune)."""
         from lightning_fastdata.autotune import measure_num_workers
 
-        split = next((s for s in SPLITS if s in self.stores or s in self._raw), None)
+        assert self.placement is not None
+        # A split of this stage: a test after a fit must not time the train split it released.
+        split = next((s for s in SPLITS if s in splits and (s in self.placement.sources or s in self._raw)), None)
         if split is None or self.plan is None:
             return
         measure_num_workers(self.plan, self.plan.resources, config, lambda trial: self.build_loader(split, trial),
@@ -604,6 +622,8 @@ class OptimizedDataModule(L.LightningDataModule):
         plan = plan or self.plan
         if plan is None or self.placement is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before {split}_dataloader()")
+        if split not in self._set_up or (split in self.stores and split not in self.placement.sources):
+            self._refuse_unset(split)
         if split not in self.stores and split not in self._raw:
             return []
         rank, world = self._rank_world()
@@ -611,7 +631,10 @@ class OptimizedDataModule(L.LightningDataModule):
         n = len(self.stores[split]) if split in self.stores else len(self._raw[split])
         # Prediction gives every sample to one rank (Lightning's UnrepeatedDistributedSamplerWrapper):
         # padding would predict some samples twice.
-        kw = dict(shuffle=self.shuffle and train, drop_last=self.drop_last and train, seed=self.seed,
+        # overfit_batches: the same first batches every epoch (Lightning turns a DataLoader's
+        # shuffling off, but can do nothing to these loaders, which have no dataset).
+        overfit = self.trainer is not None and bool(self.trainer.overfit_batches)
+        kw = dict(shuffle=self.shuffle and train and not overfit, drop_last=self.drop_last and train, seed=self.seed,
                   rank=rank, world_size=world, pad=split != "predict")
         source = self.placement.sources.get(split)
         if isinstance(source, ChunkedSource) and source.rows % self._batch_size(split):

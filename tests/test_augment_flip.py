@@ -130,3 +130,30 @@ def test_flips_keep_channels_last():
         assert torch.equal(out, op(x.contiguous(), keys(6, seed=9)))
     v = _data((4, 2, 4, 4, 4)).contiguous(memory_format=torch.channels_last_3d)
     assert A.RandomFlip((-3, -1))(v).is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_a_flip_under_inference_mode_leaves_later_training_unharmed():
+    """Lightning validates under ``torch.inference_mode``: a flip there made the reused CPU
+    scratch buffer an inference tensor, and every later flip outside it (the fit after a
+    ``trainer.validate``) failed with "Inplace update to inference tensor outside
+    InferenceMode". In a thread of its own: the buffer is per thread, so this one is made here."""
+    import threading
+
+    x = torch.arange(40 * 3 * 8 * 8, dtype=torch.uint8).view(40, 3, 8, 8)  # small samples: the reused buffer
+    op = A.RandomHorizontalFlip(p=0.5)
+    out: dict[str, torch.Tensor | BaseException] = {}
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():
+                out["inside"] = op(x, keys(40, seed=3))
+            out["outside"] = op(x, keys(40, seed=3))
+        except BaseException as e:  # raised again in the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=60)
+    if "error" in out:
+        raise out["error"]
+    assert torch.equal(out["inside"], out["outside"]) and not out["outside"].is_inference()

@@ -520,6 +520,46 @@ def test_load_from_checkpoint_asks_for_the_augmentations_again(tmp_path):
     assert again.train_augment is flip and again.seed == 5 and again.batch_size == 8
 
 
+def test_a_measured_num_workers_is_measured_again_on_a_test_after_a_fit(tmp_path):
+    """``num_workers="measure"`` timed the first open split: after the fit released train, a
+    test failed with KeyError: 'train'. It times a split of the stage now."""
+    dm = _ThreeSplits(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="workers",
+                      num_workers="measure")
+    model = _PlacedSeer()
+    t = trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
+    t.fit(model, dm)
+    t.test(model, dm)
+    assert model.placed["test"] == ["test"]
+
+
+def test_a_loader_of_a_split_the_stage_did_not_set_up_names_the_setup_to_run(tmp_path):
+    """A ``val_dataloader`` that adds ``self.test_dataloader()`` in a fit: the test split was
+    silently an empty loader (its samples never validated), or, opened by hand, a KeyError."""
+    class ValAndTest(_ThreeSplits):
+        def val_dataloader(self):
+            return [super().val_dataloader(), self.test_dataloader()]
+
+    dm = ValAndTest(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu")
+    with pytest.raises(RuntimeError, match=r"ValAndTest.test_dataloader\(\): the 'test' split is not set up for "
+                                           r"this stage .*call self.setup\('test'\)"):
+        trainer(tmp_path, max_epochs=1, limit_train_batches=1).fit(_PlacedSeer(), dm)
+
+
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_overfit_batches_trains_on_the_same_batches_every_epoch(tmp_path, strategy):
+    """Lightning turns a DataLoader's shuffling off for ``overfit_batches`` ("We are turning off
+    the train dataloader shuffling for you") but cannot reach these loaders: each epoch
+    trained on other samples."""
+    dm = TinyDataModule(n=32, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        strategy=strategy, num_workers=0)
+    model = TinyModel(record=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(tmp_path, max_epochs=3, overfit_batches=2).fit(model, dm)
+    epochs = [torch.cat([x for x, _ in model.seen[e * 2:(e + 1) * 2]]) for e in range(3)]
+    assert len(model.seen) == 6 and all(torch.equal(epochs[0], e) for e in epochs[1:])
+
+
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
     class PlainLoader(TinyDataModule):
         def train_dataloader(self):
