@@ -285,6 +285,8 @@ class OptimizedDataModule(L.LightningDataModule):
         #: Splits a setup opened (with or without a source): a loader of another split is refused.
         self._set_up: set[str] = set()
         self._loaders: dict[str, Any] = {}
+        #: Every loader made for each split since its setup, with the Trainer request it answered.
+        self._made: dict[str, list[tuple[Any, Any]]] = {}
         self._restored_plan: dict[str, Any] | None = None
         # dm.hparams shows the whole configuration (the subclass's arguments included);
         # augmentations by their repr, so checkpoints and loggers get text, not objects.
@@ -600,7 +602,9 @@ class OptimizedDataModule(L.LightningDataModule):
         """Release device copies, shared memory and loaders of the stage's splits."""
         for split in _STAGE_SPLITS.get(stage or "fit", ()):
             self._stale.add(split)
-            _close(self._loaders.pop(split, None))  # persistent workers must not outlive the stage
+            self._loaders.pop(split, None)
+            for _, made in self._made.pop(split, []):
+                _close(made)  # persistent workers must not outlive the stage (every loader made for it)
             if self.placement is not None:
                 self.placement.release(split)
         for graphed in self._graphed.values():
@@ -711,6 +715,19 @@ class OptimizedDataModule(L.LightningDataModule):
         loader = self.build_loader(split)
         if loader != []:
             self._loaders[split] = loader
+            # Loaders made for an earlier request and not being iterated (those
+            # reload_dataloaders_every_n_epochs replaced) are closed now, not left holding
+            # worker processes until a garbage collection; those of this request (a list of
+            # several) are kept, and every one is closed at the teardown.
+            trainer = self.trainer
+            request = ((trainer.state.fn, trainer.state.stage, trainer.current_epoch, trainer.global_step)
+                       if trainer is not None else None)
+            made = self._made.setdefault(split, [])
+            for old_request, old in list(made):
+                if request is not None and old_request != request and not getattr(old, "active", 0):
+                    _close(old)
+                    made.remove((old_request, old))
+            made.append((request, loader))
             if split == "predict":
                 loader.index_record = batch_index_record(loader)  # batch_indices for prediction writers
             if split == "train" and hasattr(loader, "steps_in_flight"):

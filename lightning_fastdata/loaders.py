@@ -288,6 +288,8 @@ class _Loader:
 
     def __init__(self, order: ShardedOrder) -> None:
         self.order = order
+        #: Iterations under way (a generator suspended mid-epoch counts until it is closed).
+        self.active = 0
         self._yielded = 0
         self._consumed = 0
         self._counted_epoch = order.epoch  # the epoch the two counts above belong to
@@ -502,6 +504,7 @@ class IndexLoader(_Loader):
         produced = self._produce(start)
         if self.ahead:
             produced = _run_ahead(produced, self.ahead, self.device)
+        self.active += 1
         try:
             for batch in produced:
                 self._yielded = batch.index + 1
@@ -509,6 +512,7 @@ class IndexLoader(_Loader):
                     note(batch.index)
                 yield batch
         finally:
+            self.active -= 1
             produced.close()
 
     def close(self) -> None:
@@ -738,6 +742,14 @@ class WorkerLoader(_Loader):
         idx = self.order.indices(epoch)
         bs = self.order.batch_size
         note = self._noting(epoch, idx)
+        self.active += 1
+        try:
+            yield from self._batches(start, epoch, idx, bs, note)
+        finally:
+            self.active -= 1
+
+    def _batches(self, start: int, epoch: int, idx: torch.Tensor, bs: int,
+                 note: Callable[[int], None] | None) -> Iterator[FastBatch]:
         for b, batch in enumerate(self.dataloader, start):
             if note is not None:
                 note(b)

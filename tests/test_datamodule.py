@@ -560,6 +560,37 @@ def test_overfit_batches_trains_on_the_same_batches_every_epoch(tmp_path, strate
     assert len(model.seen) == 6 and all(torch.equal(epochs[0], e) for e in epochs[1:])
 
 
+def test_reloaded_loaders_do_not_pile_up_worker_processes(tmp_path):
+    """``reload_dataloaders_every_n_epochs=1`` with persistent workers: each epoch's new
+    loaders left the old ones' workers alive (2, 4, 6 ... 12 processes over 8 epochs, 10
+    left after the fit); two validation loaders of one split left one behind."""
+    import psutil
+
+    class TwoVal(TinyDataModule):
+        def val_dataloader(self):
+            return [super().val_dataloader(), super().val_dataloader()]
+
+    class Counting(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.procs: list[int] = []
+
+        def on_train_epoch_end(self):
+            self.procs.append(len(psutil.Process().children(recursive=True)))
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            super().validation_step(batch, batch_idx)
+
+    dm = TwoVal(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="workers",
+                num_workers=1, persistent_workers=True)
+    model = Counting()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(tmp_path, max_epochs=6, reload_dataloaders_every_n_epochs=1).fit(model, dm)
+    assert max(model.procs) <= model.procs[1] + 1 and model.procs[-1] <= 2 * 3  # bounded, not growing
+    assert psutil.Process().children(recursive=True) == []  # every loader's workers gone with the fit
+
+
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
     class PlainLoader(TinyDataModule):
         def train_dataloader(self):
