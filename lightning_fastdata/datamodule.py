@@ -870,12 +870,15 @@ class OptimizedDataModule(L.LightningDataModule):
             loader = self._loaders.get(split)
             if loader is not None:
                 loader.consumed(batch)  # resume counts batches used, not those fetched ahead
-            if batch.prepared:
-                out = batch.structure()
-            elif augment is None:
-                out = unflatten(batch.spec, self.unragged(batch))
-            else:
-                out = self.augment_batch(batch, augment, split)
+            out = self._finish(batch, split, augment)
+        elif isinstance(batch, (dict, list, tuple)) and any(isinstance(b, FastBatch) for b in _members(batch)):
+            # Several loaders of this module combined by Lightning (a dict or list returned by
+            # a *_dataloader override): each batch carries its own indices.
+            def finish(b: Any) -> Any:
+                return self._finish(b, split, augment) if isinstance(b, FastBatch) else b
+
+            out = ({k: finish(v) for k, v in batch.items()} if isinstance(batch, dict)
+                   else type(batch)(finish(b) for b in batch))
         elif augment is not None:
             raise RuntimeError(
                 f"{type(self).__name__}: a {split} batch of type {type(batch).__name__} reached "
@@ -888,6 +891,14 @@ class OptimizedDataModule(L.LightningDataModule):
             out = batch
         hook = self._model_hook("on_after_batch_transfer")
         return hook(out, dataloader_idx) if hook is not None else out
+
+    def _finish(self, batch: FastBatch, split: str, augment: BatchTransform | None) -> Any:
+        """A batch of this module's loaders in the sample's structure, augmented unless its loader did."""
+        if batch.prepared:
+            return batch.structure()
+        if augment is None:
+            return unflatten(batch.spec, self.unragged(batch))
+        return self.augment_batch(batch, augment, split)
 
     def _loader_augment(self, batch: FastBatch, split: str, augment: BatchTransform) -> FastBatch:
         """The loader's hook: augment a freshly gathered batch (ahead of the step, see ``augment_ahead``)."""
@@ -1063,6 +1074,10 @@ def _augment_leaves(batch: FastBatch, augment: Any, seed: int, stream: int, kind
     fields = dict(zip(batch.names, _unragged(batch), strict=True))
     out = augment(Batch(fields, kinds, keys))
     return [out.fields[name] for name in batch.names]
+
+
+def _members(batch: dict | list | tuple) -> list[Any]:
+    return list(batch.values()) if isinstance(batch, dict) else list(batch)
 
 
 def _config_value(value: Any) -> Any:

@@ -591,6 +591,32 @@ def test_reloaded_loaders_do_not_pile_up_worker_processes(tmp_path):
     assert psutil.Process().children(recursive=True) == []  # every loader's workers gone with the fit
 
 
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_several_training_loaders_of_this_module_are_each_augmented(tmp_path, strategy):
+    """``train_dataloader`` returning ``{"a": ..., "b": ...}``: the combined batch failed with
+    "reached on_after_batch_transfer without its sample indices ... did not come from this
+    data module's loaders", though both did."""
+    class Two(TinyDataModule):
+        def train_dataloader(self):
+            return {"a": super().train_dataloader(), "b": super().train_dataloader()}
+
+    class Model(TinyModel):
+        def training_step(self, batch, batch_idx):
+            self.seen.append({k: (x.clone(), y.clone()) for k, (x, y) in batch.items()})
+            return sum(super(Model, self).training_step(b, batch_idx) for b in batch.values())
+
+    dm = Two(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, strategy=strategy,
+             num_workers=0, shuffle=False, train_augment=A.Compose([A.RandomHorizontalFlip(p=1.0), A.ToDtype()]))
+    model = Model()
+    trainer(tmp_path, max_epochs=1).fit(model, dm)
+    source = CountingDataset(16)
+    for step, batches in enumerate(model.seen):
+        for x, y in batches.values():
+            want = torch.stack([source[step * 8 + i][0].flip(-1) for i in range(8)]).float() / 255
+            assert x.dtype == torch.float32 and torch.allclose(x, want)
+            assert y.tolist() == [source[step * 8 + i][1] for i in range(8)]
+
+
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
     class PlainLoader(TinyDataModule):
         def train_dataloader(self):
