@@ -175,8 +175,7 @@ class FastDataCallback(Callback):
             # progress on the loader's sampler): every validate or test draws the same numbers,
             # whatever this Trainer fitted before, as the data module's loaders do.
             fitting = trainer.state.fn == TrainerFn.FITTING
-            seeding.held = False
-            seeding.set_epoch(trainer.current_epoch if fitting else 0)
+            seeding.set_epoch(trainer.current_epoch if fitting else 0)  # ``held`` only stops a followed sampler's
             seeding.held = not fitting
         reason = randomness_repeats(dataloader)
         if reason is not None and not self._warned_repeats:

@@ -820,11 +820,9 @@ class OptimizedDataModule(L.LightningDataModule):
         n = len(batch.indices)
         split = self._current_split()
         augment = self.train_augment if split == "train" else self.eval_augment
-        for name, leaf in zip(names, leaves, strict=True):
-            if augment is None:
-                break  # nothing keyed by the samples' indices follows
-            rows = len(leaf) if isinstance(leaf, (list, RaggedBatch)) else getattr(leaf, "shape", (n,))[:1]
-            got = rows if isinstance(rows, int) else (rows[0] if len(rows) else n)
+        for name, leaf in zip(names, leaves, strict=True) if augment is not None else ():  # keyed by index
+            shape = getattr(leaf, "shape", None)
+            got = len(leaf) if isinstance(leaf, (list, RaggedBatch)) else int(shape[0]) if shape else n
             if got != n:
                 raise RuntimeError(
                     f"{type(self.trainer.lightning_module).__name__}.{hook} returned field '{name}' with {got} "
@@ -871,7 +869,8 @@ class OptimizedDataModule(L.LightningDataModule):
             if loader is not None:
                 loader.consumed(batch)  # resume counts batches used, not those fetched ahead
             out = self._finish(batch, split, augment)
-        elif isinstance(batch, (dict, list, tuple)) and any(isinstance(b, FastBatch) for b in _members(batch)):
+        elif isinstance(batch, (dict, list, tuple)) and any(
+                isinstance(b, FastBatch) for b in (batch.values() if isinstance(batch, dict) else batch)):
             # Several loaders of this module combined by Lightning (a dict or list returned by
             # a *_dataloader override): each batch carries its own indices.
             def finish(b: Any) -> Any:
@@ -1074,10 +1073,6 @@ def _augment_leaves(batch: FastBatch, augment: Any, seed: int, stream: int, kind
     fields = dict(zip(batch.names, _unragged(batch), strict=True))
     out = augment(Batch(fields, kinds, keys))
     return [out.fields[name] for name in batch.names]
-
-
-def _members(batch: dict | list | tuple) -> list[Any]:
-    return list(batch.values()) if isinstance(batch, dict) else list(batch)
 
 
 def _config_value(value: Any) -> Any:

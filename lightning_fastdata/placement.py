@@ -464,11 +464,14 @@ class ChunkBuffers:
     def for_store(cls, store: Store, device: torch.device | str, chunk_bytes: int, batch_size: int,
                   world_size: int = 1, pin: bool = True) -> ChunkBuffers:
         """Buffers for ``store``: as many whole batches as fit ``chunk_bytes``, no more than one rank's shard."""
-        fixed = [info for info in store.infos if not info.ragged]  # ragged fields are not chunked
-        row = sum(info.row_nbytes for info in fixed)
-        rows = rows_per_chunk(row, chunk_bytes, batch_size, math.ceil(len(store) / max(1, world_size)))
-        infos = [(info.shape, torch_dtype(info.dtype)) for info in fixed]
-        return cls(infos, rows, batch_size, device, pin=pin)
+        infos = [(info.shape, torch_dtype(info.dtype)) for info in store.infos if not info.ragged]
+        return cls(infos, cls.rows_for(store, chunk_bytes, batch_size, world_size)[1], batch_size, device, pin=pin)
+
+    @staticmethod
+    def rows_for(store: Store, chunk_bytes: int, batch_size: int, world_size: int = 1) -> tuple[int, int]:
+        """``(row bytes, rows per chunk)`` of :meth:`for_store`'s buffers (ragged fields are not chunked)."""
+        row = sum(info.row_nbytes for info in store.infos if not info.ragged)
+        return row, rows_per_chunk(row, chunk_bytes, batch_size, math.ceil(len(store) / max(1, world_size)))
 
     @property
     def nbytes(self) -> int:
@@ -805,12 +808,8 @@ def _chunk_buffer_bytes(stores: Mapping[str, Store], chunk_bytes: int, batch_siz
                         world_size: int) -> int:
     """Device bytes the chunked level allocates: two chunks per split, each as
     :meth:`ChunkBuffers.for_store` sizes it (whole batches, at most one rank's shard)."""
-    total = 0
-    for split, store in stores.items():
-        row = sum(info.row_nbytes for info in store.infos if not info.ragged)
-        shard = math.ceil(len(store) / max(1, world_size))
-        total += 2 * row * rows_per_chunk(row, chunk_bytes, batch_sizes[split], shard)
-    return total
+    return sum(2 * math.prod(ChunkBuffers.rows_for(store, chunk_bytes, batch_sizes[split], world_size))
+               for split, store in stores.items())
 
 
 def place(stores: Mapping[str, Store], plan: Plan, device: torch.device | str, config: Mapping[str, Any],

@@ -35,13 +35,14 @@ class UnstorableSampleError(StoreError):
 
 #: ndarray dtype kinds numpy stores but torch cannot hold: refused while the store is probed,
 #: before anything is written (torch would refuse them only when the store is placed).
-_NO_TENSOR = {"U": "strings", "S": "bytes strings", "M": "datetimes", "m": "time deltas", "V": "a structured record"}
-_NO_TENSOR_FIX = {
-    "U": "return a Python str instead (such a field is kept per sample, not stored), or drop the field",
-    "S": "return a Python str instead (such a field is kept per sample, not stored), or drop the field",
-    "M": "return them as numbers, e.g. value.astype('datetime64[s]').astype(np.int64)",
-    "m": "return them as numbers, e.g. value.astype('timedelta64[ms]').astype(np.int64)",
-    "V": "return each of its fields as an array of its own (e.g. a dict of value[name] per name)",
+_AS_STR = "return a Python str instead (such a field is kept per sample, not stored), or drop the field"
+_NO_TENSOR = {  # dtype kind: (what it holds, the fix)
+    "U": ("strings", _AS_STR),
+    "S": ("bytes strings", _AS_STR),
+    "M": ("datetimes", "return them as numbers, e.g. value.astype('datetime64[s]').astype(np.int64)"),
+    "m": ("time deltas", "return them as numbers, e.g. value.astype('timedelta64[ms]').astype(np.int64)"),
+    "V": ("a structured record", "return each of its fields as an array of its own (e.g. a dict of value[name] "
+                                 "per name)"),
 }
 
 
@@ -59,8 +60,9 @@ def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
         if value.dtype == object:
             raise UnstorableSampleError(f"{where} is an object-dtype ndarray")
         if value.dtype.kind in _NO_TENSOR:
-            raise StoreError(f"{where} is an ndarray of dtype {value.dtype} ({_NO_TENSOR[value.dtype.kind]}), "
-                             f"which no torch tensor holds; {_NO_TENSOR_FIX[value.dtype.kind]}")
+            what, fix = _NO_TENSOR[value.dtype.kind]
+            raise StoreError(f"{where} is an ndarray of dtype {value.dtype} ({what}), which no torch tensor "
+                             f"holds; {fix}")
         if not value.dtype.isnative:
             # torch reads native byte order only (big-endian arrays come from FITS, some NIfTI
             # and .mat files): store the same numbers in it.
