@@ -715,6 +715,8 @@ class OptimizedDataModule(L.LightningDataModule):
         loader = self.build_loader(split)
         if loader != []:
             self._loaders[split] = loader
+            augment = self.train_augment if split == "train" else self.eval_augment
+            loader.augmented_later = augment is not None and getattr(loader, "prepare", None) is None
             # Loaders made for an earlier request and not being iterated (those
             # reload_dataloaders_every_n_epochs replaced) are closed now, not left holding
             # worker processes until a garbage collection; those of this request (a list of

@@ -189,6 +189,9 @@ class BlockOrder(ShardedOrder):
         return {**super().identity(), "mode": "block", "chunk_rows": self.rows, "window": self.window}
 
 
+_WARNED_PENDING = False
+
+
 class FastBatch:
     """A batch plus what it is: the global indices of its samples and its place in the epoch.
 
@@ -210,7 +213,7 @@ class FastBatch:
         index: The batch's index within the epoch.
     """
 
-    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index", "prepared")
+    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index", "prepared", "pending")
 
     def __init__(self, leaves: list[Any], spec: dict, names: list[str], indices: torch.Tensor, epoch: int,
                  index: int, prepared: bool = False) -> None:
@@ -219,6 +222,8 @@ class FastBatch:
         self.leaves, self.spec, self.names = leaves, spec, names
         self.indices, self.epoch, self.index = indices, epoch, index
         self.prepared = prepared  # already augmented by the loader (see IndexLoader's prepare)
+        #: Its data module's augmentation is still to run (in ``on_after_batch_transfer``).
+        self.pending = False
 
     @classmethod
     def of(cls, structure: Any, indices: torch.Tensor, epoch: int = 0, index: int = 0) -> FastBatch:
@@ -241,14 +246,30 @@ class FastBatch:
         """
         leaves = [v.to(device, non_blocking=non_blocking) if isinstance(v, (torch.Tensor, RaggedBatch)) else v
                   for v in self.leaves]
-        return FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
-                         self.epoch, self.index, self.prepared)
+        moved = FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
+                          self.epoch, self.index, self.prepared)
+        moved.pending = self.pending
+        return moved
 
     def __iter__(self) -> Iterator[Any]:
+        self._warn_pending()
         return iter(self.structure())
 
     def __getitem__(self, key: Any) -> Any:
+        self._warn_pending()
         return self.structure()[key]
+
+    def _warn_pending(self) -> None:
+        """Unpacking a batch whose augmentation has not run yet hands out raw samples: say so, once."""
+        global _WARNED_PENDING
+        if self.pending and not _WARNED_PENDING:
+            _WARNED_PENDING = True
+            warnings.warn(
+                "lightning_fastdata: a batch of an OptimizedDataModule's loader was unpacked before its augmentation "
+                "ran, so it holds the samples unaugmented: the data module's on_after_batch_transfer did not see it "
+                "(its loader used by a Trainer the data module was not given to, or by a training_step that takes a "
+                "dataloader_iter). Pass the data module to the Trainer, or call "
+                "`batch = datamodule.augment_batch(batch.to(device))` first.", stacklevel=3)
 
     def __repr__(self) -> str:
         return (f"FastBatch(epoch={self.epoch}, index={self.index}, samples={len(self)}, "
@@ -290,6 +311,9 @@ class _Loader:
         self.order = order
         #: Iterations under way (a generator suspended mid-epoch counts until it is closed).
         self.active = 0
+        #: Set by the data module: its augmentation runs after the transfer, not in this loader;
+        #: the batches handed out say so (``FastBatch.pending``).
+        self.augmented_later = False
         self._yielded = 0
         self._consumed = 0
         self._counted_epoch = order.epoch  # the epoch the two counts above belong to
@@ -508,6 +532,7 @@ class IndexLoader(_Loader):
         try:
             for batch in produced:
                 self._yielded = batch.index + 1
+                batch.pending = self.augmented_later and not batch.prepared
                 if note is not None:
                     note(batch.index)
                 yield batch
@@ -762,4 +787,6 @@ class WorkerLoader(_Loader):
             else:
                 spec, names, leaves = flatten_batch(batch)
             self._yielded = b + 1
-            yield FastBatch(leaves, spec, names, idx[b * bs:(b + 1) * bs], epoch, b)
+            out = FastBatch(leaves, spec, names, idx[b * bs:(b + 1) * bs], epoch, b)
+            out.pending = self.augmented_later
+            yield out

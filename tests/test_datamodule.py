@@ -617,6 +617,31 @@ def test_several_training_loaders_of_this_module_are_each_augmented(tmp_path, st
             assert y.tolist() == [source[step * 8 + i][1] for i in range(8)]
 
 
+def test_unpacking_a_batch_before_its_augmentation_warns(tmp_path):
+    """A model whose own ``train_dataloader`` returns the module's loader, fitted without the
+    module: the ``workers`` loader's batches reached the step unaugmented, silently (the
+    ``device`` loader augments them itself). Unpacking such a batch warns now; a fit with the
+    module attached does not."""
+    import lightning_fastdata.loaders as loaders_module
+
+    flip = A.RandomHorizontalFlip(p=1.0)
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        strategy="workers", num_workers=0, train_augment=flip)
+    dm.setup("fit")
+    loaders_module._WARNED_PENDING = False
+    with pytest.warns(UserWarning, match=r"unpacked before its augmentation ran.*augment_batch"):
+        x, _ = next(iter(dm.train_dataloader()))
+    x_aug, _ = dm.augment_batch(next(iter(dm.train_dataloader())))
+    assert torch.equal(x_aug, x.flip(-1))  # what it held: the samples unflipped
+    dm.teardown("fit")
+    loaders_module._WARNED_PENDING = False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*unpacked before its augmentation.*")
+        trainer(tmp_path, max_epochs=1).fit(TinyModel(), TinyDataModule(
+            n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, strategy="workers",
+            num_workers=0, train_augment=flip))
+
+
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
     class PlainLoader(TinyDataModule):
         def train_dataloader(self):
