@@ -717,6 +717,7 @@ class OptimizedDataModule(L.LightningDataModule):
             self._loaders[split] = loader
             augment = self.train_augment if split == "train" else self.eval_augment
             loader.augmented_later = augment is not None and getattr(loader, "prepare", None) is None
+            loader.split = split  # its batches are augmented as this split's, in whatever loop they run
             # Loaders made for an earlier request and not being iterated (those
             # reload_dataloaders_every_n_epochs replaced) are closed now, not left holding
             # worker processes until a garbage collection; those of this request (a list of
@@ -726,7 +727,9 @@ class OptimizedDataModule(L.LightningDataModule):
                        if trainer is not None else None)
             made = self._made.setdefault(split, [])
             for old_request, old in list(made):
-                if request is not None and old_request != request and not getattr(old, "active", 0):
+                # Outside a Trainer every request is a new one (a dropped loader must not be kept
+                # alive here); an idle loader closed and used again restarts its workers.
+                if (request is None or old_request != request) and not getattr(old, "active", 0):
                     _close(old)
                     made.remove((old_request, old))
             made.append((request, loader))
@@ -886,7 +889,9 @@ class OptimizedDataModule(L.LightningDataModule):
                 "on_after_batch_transfer without its sample indices, so its augmentation cannot be keyed "
                 "per sample; it did not come from this data module's loaders (a dataloader passed to "
                 "the Trainer directly, or a *_dataloader override?): return the loaders of "
-                f"{type(self).__name__}, or set {'train' if split == 'train' else 'eval'}_augment=None"
+                f"{type(self).__name__}, or set {'train' if split == 'train' else 'eval'}_augment=None. With "
+                "several of its loaders combined, a model's on_before_batch_transfer or transfer_batch_to_device "
+                "gets their batches as they are and may have replaced them: move it to on_after_batch_transfer"
             )
         else:
             out = batch
@@ -894,7 +899,14 @@ class OptimizedDataModule(L.LightningDataModule):
         return hook(out, dataloader_idx) if hook is not None else out
 
     def _finish(self, batch: FastBatch, split: str, augment: BatchTransform | None) -> Any:
-        """A batch of this module's loaders in the sample's structure, augmented unless its loader did."""
+        """A batch of this module's loaders in the sample's structure, augmented unless its loader did.
+
+        A batch of another split's loader (a val loader among the training loaders) gets its
+        own split's augmentation, as the ``device`` loader, which augments it itself, gives it.
+        """
+        if batch.split is not None and batch.split != split:
+            split = batch.split
+            augment = self.train_augment if split == "train" else self.eval_augment
         if batch.prepared:
             return batch.structure()
         if augment is None:

@@ -213,7 +213,7 @@ class FastBatch:
         index: The batch's index within the epoch.
     """
 
-    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index", "prepared", "pending")
+    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index", "prepared", "pending", "split")
 
     def __init__(self, leaves: list[Any], spec: dict, names: list[str], indices: torch.Tensor, epoch: int,
                  index: int, prepared: bool = False) -> None:
@@ -224,6 +224,8 @@ class FastBatch:
         self.prepared = prepared  # already augmented by the loader (see IndexLoader's prepare)
         #: Its data module's augmentation is still to run (in ``on_after_batch_transfer``).
         self.pending = False
+        #: The split of the loader it came from (set by the data module's loaders), or None.
+        self.split: str | None = None
 
     @classmethod
     def of(cls, structure: Any, indices: torch.Tensor, epoch: int = 0, index: int = 0) -> FastBatch:
@@ -248,7 +250,7 @@ class FastBatch:
                   for v in self.leaves]
         moved = FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
                           self.epoch, self.index, self.prepared)
-        moved.pending = self.pending
+        moved.pending, moved.split = self.pending, self.split
         return moved
 
     def __iter__(self) -> Iterator[Any]:
@@ -314,6 +316,8 @@ class _Loader:
         #: Set by the data module: its augmentation runs after the transfer, not in this loader;
         #: the batches handed out say so (``FastBatch.pending``).
         self.augmented_later = False
+        #: Set by the data module: the split its batches belong to (``FastBatch.split``).
+        self.split: str | None = None
         self._yielded = 0
         self._consumed = 0
         self._counted_epoch = order.epoch  # the epoch the two counts above belong to
@@ -533,6 +537,7 @@ class IndexLoader(_Loader):
             for batch in produced:
                 self._yielded = batch.index + 1
                 batch.pending = self.augmented_later and not batch.prepared
+                batch.split = self.split
                 if note is not None:
                     note(batch.index)
                 yield batch
@@ -780,6 +785,7 @@ class WorkerLoader(_Loader):
                 note(b)
             if isinstance(batch, FastBatch):  # prepared in the worker
                 self._yielded = b + 1
+                batch.split = self.split
                 yield batch
                 continue
             if self.spec is not None:
@@ -788,5 +794,5 @@ class WorkerLoader(_Loader):
                 spec, names, leaves = flatten_batch(batch)
             self._yielded = b + 1
             out = FastBatch(leaves, spec, names, idx[b * bs:(b + 1) * bs], epoch, b)
-            out.pending = self.augmented_later
+            out.pending, out.split = self.augmented_later, self.split
             yield out

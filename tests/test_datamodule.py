@@ -642,6 +642,42 @@ def test_unpacking_a_batch_before_its_augmentation_warns(tmp_path):
             num_workers=0, train_augment=flip))
 
 
+def test_loaders_made_outside_a_trainer_and_dropped_do_not_keep_their_workers(tmp_path):
+    import psutil
+
+    dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
+                        strategy="workers", num_workers=1, persistent_workers=True)
+    dm.setup("fit")
+    alive = []
+    for _ in range(4):
+        for _ in dm.train_dataloader():
+            pass
+        alive.append(len(psutil.Process().children(recursive=True)))
+    dm.teardown("fit")
+    assert alive == [1, 1, 1, 1] and psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_a_val_loader_among_the_training_loaders_gets_the_eval_augmentation(tmp_path, strategy):
+    """``{"lab": train loader, "unlab": val loader}``: the device loader augments the val
+    batches with ``eval_augment`` itself; the workers path gave them ``train_augment``."""
+    class Mixed(TinyDataModule):
+        def train_dataloader(self):
+            return {"lab": super().train_dataloader(), "unlab": self.val_dataloader()}
+
+    class Model(TinyModel):
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch["unlab"][0].clone())
+            return super().training_step(batch["lab"], batch_idx)
+
+    dm = Mixed(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy, num_workers=0,
+               shuffle=False, train_augment=A.RandomHorizontalFlip(p=1.0), eval_augment=A.RandomVerticalFlip(p=1.0))
+    model = Model()
+    trainer(tmp_path, max_epochs=1, limit_val_batches=0).fit(model, dm)
+    source = CountingDataset(16)
+    assert torch.equal(model.seen[0], torch.stack([source[i][0].flip(-2) for i in range(8)]))
+
+
 def test_a_batch_without_sample_indices_cannot_be_augmented(tmp_path):
     class PlainLoader(TinyDataModule):
         def train_dataloader(self):
