@@ -19,7 +19,6 @@ before them and whether or not the workers persist.
 
 from __future__ import annotations
 
-import copyreg
 import os
 import random
 import warnings
@@ -364,6 +363,7 @@ _PASS_CLASSES: dict[type, type] = {}
 
 def _pass_counting_class(cls: type) -> type:
     """A subclass of the sampler class ``cls`` announcing a new pass when an iteration starts (cached)."""
+    cls = getattr(cls, "_lfd_pass_root", cls)  # a pass-counting class made before: its user's class
     sub = _PASS_CLASSES.get(cls)
     if sub is not None:
         return sub
@@ -375,27 +375,21 @@ def _pass_counting_class(cls: type) -> type:
         return _announcing(cls.__iter__(self), getattr(self, "_lfd_pass_seeding", None))
 
     def __reduce_ex__(self: Any, protocol: Any) -> Any:
-        # Pickled (ddp_spawn, deepcopy) as the user's own class, without the seeding: pickle
-        # looks classes up by name, and this one's name is the original's.
-        rv = list(cls.__reduce_ex__(self, protocol))
-        if len(rv) > 1 and isinstance(rv[1], tuple):
-            rv[1] = tuple(cls if a is sub else a for a in rv[1])
-            if rv[0] is copyreg.__newobj__:  # it checks that the class is the object's own
-                rv[0] = _new_instance
-        if len(rv) > 2 and isinstance(rv[2], dict) and "_lfd_pass_seeding" in rv[2]:
-            rv[2] = {k: v for k, v in rv[2].items() if k != "_lfd_pass_seeding"}
-        return tuple(rv)
+        # Pickled (ddp_spawn, deepcopy) as an instance of the user's own class, without the
+        # seeding: pickle looks classes up by name, and this one's name is the original's.
+        state = {k: v for k, v in vars(self).items() if k != "_lfd_pass_seeding"}
+        return _new_instance, (cls,), state
 
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__iter__": __iter__,
-          "__reduce_ex__": __reduce_ex__}
+          "__reduce_ex__": __reduce_ex__, "_lfd_pass_root": cls}
     sub = type(cls.__name__, (cls,), ns)
     _PASS_CLASSES[sub] = _PASS_CLASSES[cls] = sub
     return sub
 
 
-def _new_instance(cls: type, *args: Any) -> Any:
-    """``cls.__new__(cls, *args)``: what ``copyreg.__newobj__`` does, for another class than the object's."""
-    return cls.__new__(cls, *args)
+def _new_instance(cls: type) -> Any:
+    """A bare instance of ``cls`` (its state is set by pickle afterwards)."""
+    return cls.__new__(cls)
 
 
 def _announcing(it: Iterator[Any], seeding: WorkerSeeding | None) -> Iterator[Any]:

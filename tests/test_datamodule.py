@@ -581,14 +581,15 @@ def test_reloaded_loaders_do_not_pile_up_worker_processes(tmp_path):
         def validation_step(self, batch, batch_idx, dataloader_idx=0):
             super().validation_step(batch, batch_idx)
 
+    before = set(psutil.Process().children(recursive=True))  # e.g. a resource tracker another test started
     dm = TwoVal(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="workers",
                 num_workers=1, persistent_workers=True)
     model = Counting()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer(tmp_path, max_epochs=6, reload_dataloaders_every_n_epochs=1).fit(model, dm)
-    assert max(model.procs) <= model.procs[1] + 1 and model.procs[-1] <= 2 * 3  # bounded, not growing
-    assert psutil.Process().children(recursive=True) == []  # every loader's workers gone with the fit
+    assert max(model.procs) <= model.procs[1] + 1 and model.procs[-1] <= len(before) + 2 * 3  # bounded
+    assert set(psutil.Process().children(recursive=True)) <= before  # every loader's workers gone with the fit
 
 
 @pytest.mark.parametrize("strategy", ["device", "workers"])
@@ -647,14 +648,15 @@ def test_loaders_made_outside_a_trainer_and_dropped_do_not_keep_their_workers(tm
 
     dm = TinyDataModule(n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False,
                         strategy="workers", num_workers=1, persistent_workers=True)
+    before = set(psutil.Process().children(recursive=True))
     dm.setup("fit")
     alive = []
     for _ in range(4):
         for _ in dm.train_dataloader():
             pass
-        alive.append(len(psutil.Process().children(recursive=True)))
+        alive.append(len(set(psutil.Process().children(recursive=True)) - before))
     dm.teardown("fit")
-    assert alive == [1, 1, 1, 1] and psutil.Process().children(recursive=True) == []
+    assert alive == [1, 1, 1, 1] and set(psutil.Process().children(recursive=True)) <= before
 
 
 @pytest.mark.parametrize("strategy", ["device", "workers"])
