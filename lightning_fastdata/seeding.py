@@ -377,7 +377,7 @@ def _pass_counting_class(cls: type) -> type:
     def __reduce_ex__(self: Any, protocol: Any) -> Any:
         # Pickled (ddp_spawn, deepcopy) as an instance of the user's own class, without the
         # seeding: pickle looks classes up by name, and this one's name is the original's.
-        state = {k: v for k, v in vars(self).items() if k != "_lfd_pass_seeding"}
+        state = {k: _unrecorded(v) for k, v in vars(self).items() if k != "_lfd_pass_seeding"}
         return _new_instance, (cls,), state
 
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__iter__": __iter__,
@@ -385,6 +385,16 @@ def _pass_counting_class(cls: type) -> type:
     sub = type(cls.__name__, (cls,), ns)
     _PASS_CLASSES[sub] = _PASS_CLASSES[cls] = sub
     return sub
+
+
+def _unrecorded(value: Any) -> Any:
+    """``value`` without the entries that record our own attribute sets (``__class__``, the
+    seeding): Lightning, while it fits, records a sampler's attribute sets in its state as
+    ``[((name, value), tag), ...]`` to replay them, and the swapped class cannot be pickled."""
+    if isinstance(value, list) and value and all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], tuple) and e[0] for e in value):
+        return [e for e in value if e[0][0] not in ("__class__", "_lfd_pass_seeding")]
+    return value
 
 
 def _new_instance(cls: type) -> Any:
