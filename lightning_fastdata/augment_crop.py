@@ -95,8 +95,10 @@ def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: 
     read: their start offsets change, the pass is the same. The output is bit-identical
     to ``F.pad``, slicing and ``torch.flip``. With ``rows``, an unpadded, unmirrored cut reads
     the windows from ``x`` in place (no gather of whole samples); otherwise the rows are
-    gathered first.
+    gathered first. Padded integer images on the CPU take ``_masked_cut`` (no padded copy).
     """
+    if _masks_the_margin(x, padding, mirror_rows):
+        return _masked_cut(x, rows, offset, tuple(size), sd, flip, tuple(padding), fill)  # type: ignore[arg-type]
     if rows is not None:
         if flip is None and not (padding is not None and any(padding)) and x.is_contiguous():
             return _cut(x, offset, tuple(size), sd, rows, mirror_rows)
@@ -144,6 +146,143 @@ def window_crop(x: torch.Tensor, offset: torch.Tensor, size: Sequence[int], sd: 
         last = torch.where(flip, (padded[-1] - size[-1]) - last, last)
     out = _cut(src, torch.cat([offset[:, :-1], last.view(n, 1)], 1), size, sd, sample, mirror_rows)
     return out.view(n, *mid, *size)
+
+
+#: Integer dtypes the masked cut multiplies in place (``mul_`` is vectorised for them on the
+#: CPU; uint16/uint32 lack it, and a float's stray NaN or inf read past a sample's edge would
+#: survive a multiplication by 0).
+_MASKED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+#: A 2-D geometry's margins are one table of every pair of offsets up to this size (a lookup
+#: per batch); larger ones, and volumes, multiply one table per axis.
+_PAIR_TABLE_BYTES = 1 << 22
+
+
+def _masks_the_margin(x: torch.Tensor, padding: Sequence[int] | None, mirror_rows: torch.Tensor | None) -> bool:
+    """Whether ``window_crop`` cuts padded windows with the masked cut: on the CPU, integer
+    images, no mirrored rows, no autograd (the gather writes into a work buffer)."""
+    return (padding is not None and any(padding) and mirror_rows is None and x.dtype in _MASKED_DTYPES
+            and host_shortcuts(x.device) and not x.requires_grad)
+
+
+def _axis_keep(choices: int, size: int, pad: int, extent: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per window offset along one axis (``choices`` of them, in padded coordinates), 1 where
+    the window's element lies inside the ``extent`` of the input and 0 in the padding:
+    (choices, size) of ``dtype``."""
+    pos = torch.arange(choices).view(-1, 1) - pad + torch.arange(size).view(1, -1)
+    return ((pos >= 0) & (pos < extent)).to(dtype)
+
+
+class _CutGeometry:
+    """What the masked cut of one (sample shape, window, padding, dtype) needs, made once:
+    numbers, the window view's shape and strides, and the margin tables (see ``_margins``)."""
+
+    __slots__ = ("mid", "numel", "strides", "margin", "extent", "view_size", "view_strides", "tables", "pair")
+
+    def __init__(self, sample_shape: tuple[int, ...], size: tuple[int, ...], pad: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        sd = len(size)
+        spatial = sample_shape[len(sample_shape) - sd:]
+        self.mid = sample_shape[:len(sample_shape) - sd]
+        plane = math.prod(spatial)
+        self.numel = math.prod(self.mid) * plane
+        self.strides = np.array([math.prod(spatial[d + 1:]) for d in range(sd)], dtype=np.int64)
+        self.margin = int(np.dot(np.array(pad, dtype=np.int64), self.strides))
+        # Elements from a window's first to its last, over the folded channels and every axis.
+        self.extent = (self.numel - plane) + int(np.dot(np.array(size, dtype=np.int64) - 1, self.strides)) + 1
+        self.view_size, self.view_strides = (math.prod(self.mid), *size), (plane, *self.strides.tolist())
+        choices = [s + 2 * p - w + 1 for s, p, w in zip(spatial, pad, size, strict=True)]
+        axes = [_axis_keep(c, w, p, s, dtype) for c, w, p, s in zip(choices, size, pad, spatial, strict=True)]
+        # 2-D: one table of every pair of offsets (one lookup per batch) while small; larger
+        # ones and volumes multiply one table per axis per batch.
+        pair_bytes = math.prod(choices) * math.prod(size) * axes[0].element_size()
+        self.pair = choices[1] if sd == 2 and pair_bytes <= _PAIR_TABLE_BYTES else 0
+        if self.pair:
+            both = axes[0].view(-1, 1, size[0], 1) * axes[1].view(1, -1, 1, size[1])
+            self.tables = [both.view(-1, math.prod(size))]
+        else:
+            self.tables = axes
+
+    def margins(self, corner: np.ndarray) -> torch.Tensor:
+        """Per sample, (N, 1, *size): 1 where its window at ``corner`` (int64 (N, sd), padded
+        coordinates) lies inside the input, 0 in the padding."""
+        n, sd = corner.shape[0], len(self.view_size) - 1
+        if self.pair:
+            pick = torch.from_numpy(corner[:, 0] * self.pair + corner[:, 1])
+            return self.tables[0].index_select(0, pick).view(n, 1, *self.view_size[1:])
+        keep = None
+        for d, table in enumerate(self.tables):
+            shape = [n, 1] + [1] * sd
+            shape[2 + d] = self.view_size[1 + d]
+            k = table.index_select(0, torch.from_numpy(np.ascontiguousarray(corner[:, d]))).view(shape)
+            keep = k if keep is None else keep * k
+        return keep  # type: ignore[return-value]
+
+
+def _geometry(sample_shape: tuple[int, ...], size: tuple[int, ...], pad: tuple[int, ...],
+              dtype: torch.dtype) -> _CutGeometry:
+    key = (sample_shape, size, pad, dtype)
+    geo = _GEOMETRIES.get(key)
+    if geo is None:
+        geo = _CutGeometry(sample_shape, size, pad, dtype)
+        held = sum(t.nbytes for g in _GEOMETRIES.values() for t in g.tables)
+        if len(_GEOMETRIES) >= 64 or held + sum(t.nbytes for t in geo.tables) > _GEOMETRY_BYTES:
+            _GEOMETRIES.clear()  # many input sizes (e.g. a ragged list's): bounded
+        _GEOMETRIES[key] = geo
+    return geo
+
+
+#: Masked-cut geometries (CPU only), per (sample shape, window, padding, dtype); their
+#: tables are emptied past this many bytes in all.
+_GEOMETRIES: dict[tuple, _CutGeometry] = {}
+_GEOMETRY_BYTES = 1 << 26
+
+
+def _masked_cut(x: torch.Tensor, rows: torch.Tensor | None, offset: torch.Tensor, size: tuple[int, ...], sd: int,
+                flip: torch.Tensor | None, pad: tuple[int, ...], fill: float) -> torch.Tensor:
+    """``window_crop`` of padded windows, without a padded copy of the batch (on the CPU).
+
+    The samples (gathered at ``rows``, or ``x``) and mirrored copies of the flipped ones lie
+    side by side in a work buffer with a margin at both ends; each window is cut from the
+    unpadded sample as if the padding were there (one ``index_select`` of whole windows from
+    an overlapping "every start offset" view: a window may start before its sample, in the
+    neighbour or the margin), then multiplied by 0 where it lies in the padding (and ``fill``
+    added there). Four passes over the batch instead of seven, the geometry made once and the
+    index arithmetic in numpy (microseconds where torch ops on 256 numbers cost tens).
+    Bit-identical to ``F.pad``, slicing and ``torch.flip``.
+    """
+    n = rows.numel() if rows is not None else x.shape[0]
+    sample_shape = tuple(x.shape[1:])
+    geo = _geometry(sample_shape, size, pad, x.dtype)
+    if n == 0:
+        return x.new_empty((0, *geo.mid, *size))
+    numel, margin = geo.numel, geo.margin
+    corner = offset.numpy().astype(np.int64)  # a copy: the mirrored columns are rewritten below
+    sample = np.arange(n, dtype=np.int64)
+    flips = np.flatnonzero(flip.numpy()) if flip is not None else sample[:0]
+    k = flips.size
+    buf = scratch(2 * margin + (n + k) * numel, x.dtype, x.device)
+    body = buf[margin:margin + n * numel].view(n, *sample_shape)
+    if rows is not None:
+        torch.index_select(x, 0, rows, out=body)
+    else:
+        body.copy_(x)
+    if k:
+        buf[margin + n * numel:margin + (n + k) * numel].view(k, *sample_shape).copy_(
+            body.index_select(0, torch.from_numpy(flips)).flip(-1))
+        sample[flips] = np.arange(n, n + k)
+        # flip(crop(p, o)) == crop(flip(p), W - w - o), p padded alike on both sides
+        corner[flips, -1] = (x.shape[-1] + 2 * pad[-1] - size[-1]) - corner[flips, -1]
+    # The window's first element, from the buffer's start: margin + the sample's start +
+    # (corner - pad) . strides; the margin and the pad cancel.
+    start = torch.from_numpy(sample * numel + corner @ geo.strides)
+    windows = buf.as_strided((buf.numel() - geo.extent + 1, *geo.view_size), (1, *geo.view_strides))
+    out = windows.index_select(0, start)
+    keep = geo.margins(corner)
+    out.mul_(keep)
+    if fill:
+        out.add_((1 - keep) * int(fill))  # fill is a whole number in the dtype's range (_check_fill)
+    return out.view(n, *geo.mid, *size)
 
 
 def _cut(src: torch.Tensor, offset: torch.Tensor, size: tuple[int, ...], sd: int, sample: torch.Tensor,

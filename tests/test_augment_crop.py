@@ -202,6 +202,54 @@ def test_outputs_survive_later_calls():
     assert torch.equal(A.Compose([crop, A.RandomHorizontalFlip()])(x1, keys(5, seed=1)), keep)
 
 
+@pytest.mark.parametrize("dtype,fill", [(torch.uint8, 0), (torch.uint8, 255), (torch.int8, -128), (torch.int16, -3),
+                                        (torch.int32, 7), (torch.int64, 0)])
+@pytest.mark.parametrize("flipped", ["none", "some", "all"])
+@pytest.mark.parametrize("from_store", [False, True])
+def test_padded_integer_crops_equal_pad_then_slice_whatever_lies_next_to_each_sample(dtype, fill, flipped, from_store):
+    """Integer images are cut without a padded copy: each window is read from the unpadded
+    samples laid side by side, and what it reads past a sample's edge (its neighbour, or the
+    work buffer's margin) is zeroed and filled. Neighbours at the dtype's extremes and a buffer
+    left dirty by an earlier call must never show through."""
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(3)
+    store = torch.randint(info.min, info.max, (40, 3, 10, 12), dtype=torch.int64, generator=g).to(dtype)
+    store[::2] = info.max  # every other sample at the top of the range, the rest random
+    rows = torch.tensor([5, 0, 39, 17, 2, 2, 38, 1, 20])
+    x = store.index_select(0, rows)
+    crop, flip = A.RandomCrop((9, 11), padding=(3, 0, 1, 2), fill=fill), A.RandomHorizontalFlip(
+        p={"none": 0.0, "some": 0.5, "all": 1.0}[flipped])
+    k = keys(9, seed=11)
+    A.RandomCrop(12, padding=5, fill=info.max)(x, k)  # leaves the work buffer dirty
+    if from_store:
+        batch = A.Batch({"image": StoreRows(store, rows)}, keys=k)
+        out = A.Compose([crop, flip])(batch).fields["image"]
+    else:
+        out = A.Compose([crop, flip])(x, k)
+    offset = crop.draw(x, k.child(0))["offset"]
+    mask = flip.draw(x, k.child(1))["flip"][:, 0]
+    assert torch.equal(out, _reference_crop(x, offset, (9, 11), _tv_sides((3, 0, 1, 2)), fill, mask))
+    # the padding holds the fill bit for bit: samples at the dtype's maximum, padded with
+    # another value, show it exactly where the reference pads
+    assert torch.equal(out == fill, _reference_crop(x, offset, (9, 11), _tv_sides((3, 0, 1, 2)), fill, mask) == fill)
+
+
+@pytest.mark.parametrize("shape,size,padding", [((3, 2, 70, 75), (64, 80), (9, 12)),  # one table per axis
+                                                ((4, 1, 5, 6, 7), (5, 6, 7), (1, 2, 3)),  # volumes
+                                                ((5, 3, 4, 4), (10, 10), (3, 3))])  # windows past the sample
+def test_padded_integer_crops_of_large_windows_and_volumes_equal_pad_then_slice(shape, size, padding):
+    x = _batch(shape, torch.int16, seed=4)
+    sd = len(size)
+    offset = torch.stack([torch.randint(0, s + 2 * p - w + 1, (shape[0],)) for s, p, w in
+                          zip(shape[-sd:], padding, size, strict=True)], 1)
+    flip = torch.arange(shape[0]) % 2 == 0
+    out = window_crop(x, offset, size, sd, flip, padding, fill=-9)
+    assert torch.equal(out, _reference_crop(x, offset, size, padding, -9, flip))
+    rows = torch.arange(shape[0]).flip(0)
+    out = window_crop(x, offset, size, sd, None, padding, fill=0, rows=rows)
+    assert torch.equal(out, _reference_crop(x.index_select(0, rows), offset, size, padding, 0))
+
+
 def test_window_crop_on_prepadded_input():
     x = _batch((4, 3, 6, 6), seed=12)
     offset = torch.tensor([[0, 1], [1, 0], [2, 1], [0, 0]])
