@@ -11,8 +11,10 @@ their samples; ``on_after_batch_transfer`` augments each sample on the device, k
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -92,6 +94,25 @@ def _check_auto_int(name: str, value: Any, minimum: int) -> None:
 def _check_auto_bool(name: str, value: Any) -> None:
     if value != _AUTO and not isinstance(value, bool):
         raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+
+
+def _given_by_caller(obj: object, frame: types.FrameType | None, names: Sequence[str]) -> set[str]:
+    """Which of ``names`` the code constructing ``obj`` passed to its outermost ``__init__``
+    (the frames walked as Lightning's ``save_hyperparameters`` walks them): by name, or in
+    its ``**kwargs``. A subclass that passes one to ``super().__init__`` itself did not get it."""
+    outer = None
+    while frame is not None and frame.f_code.co_name == "__init__" and frame.f_code.co_argcount \
+            and frame.f_locals.get(frame.f_code.co_varnames[0]) is obj:
+        outer, frame = frame, frame.f_back
+    if outer is None:
+        return set(names)
+    code = outer.f_code
+    named = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    given = {n for n in names if n in named}
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs = code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)]
+        given |= {n for n in names if n in (outer.f_locals.get(kwargs) or {})}
+    return given
 
 
 class OptimizedDataModule(L.LightningDataModule):
@@ -291,8 +312,13 @@ class OptimizedDataModule(L.LightningDataModule):
         # dm.hparams shows the whole configuration (the subclass's arguments included);
         # augmentations by their repr, so checkpoints and loggers get text, not objects.
         self.save_hyperparameters(ignore=["train_augment", "eval_augment"], logger=False)
-        self.hparams["train_augment"] = repr(train_augment) if train_augment is not None else None
-        self.hparams["eval_augment"] = repr(eval_augment) if eval_augment is not None else None
+        # Not one a subclass set itself (not the caller's, not the default None): the subclass
+        # is rebuilt from its own arguments, and the repr passed back by load_from_checkpoint
+        # would clash with the one it passes.
+        given = _given_by_caller(self, inspect.currentframe(), ("train_augment", "eval_augment"))
+        for name, value in (("train_augment", train_augment), ("eval_augment", eval_augment)):
+            if name in given or value is None:
+                self.hparams[name] = repr(value) if value is not None else None
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:

@@ -520,6 +520,31 @@ def test_load_from_checkpoint_asks_for_the_augmentations_again(tmp_path):
     assert again.train_augment is flip and again.seed == 5 and again.batch_size == 8
 
 
+class _OwnAugment(TinyDataModule):
+    """Sets its augmentation itself, from an argument of its own."""
+
+    def __init__(self, strength: int = 1, **kwargs) -> None:
+        super().__init__(train_augment=A.Compose([A.RandomHorizontalFlip()] * strength), **kwargs)
+        self.strength = strength
+
+
+def test_a_module_that_sets_its_own_augmentation_loads_from_its_checkpoint(tmp_path):
+    """A subclass that passes ``train_augment`` itself could not be loaded: the checkpoint's
+    repr of it was passed back with the subclass's own ("got multiple values for keyword
+    argument 'train_augment'"). Its own arguments rebuild it; a repr it made is not saved."""
+    dm = _OwnAugment(strength=2, n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, seed=5)
+    assert "train_augment" not in dm.hparams and dm.hparams["strength"] == 2
+    t = trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
+    t.fit(TinyModel(), dm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = _OwnAugment.load_from_checkpoint(t.checkpoint_callback.best_model_path)
+    assert again.strength == 2 and again.seed == 5 and repr(again.train_augment) == repr(dm.train_augment)
+    # given by the caller, through the subclass's **kwargs, the repr is saved as before
+    given = TinyDataModule(n=16, cache_dir=str(tmp_path / "c"), device="cpu", train_augment=A.RandomHorizontalFlip())
+    assert given.hparams["train_augment"] == repr(A.RandomHorizontalFlip())
+
+
 def test_a_measured_num_workers_is_measured_again_on_a_test_after_a_fit(tmp_path):
     """``num_workers="measure"`` timed the first open split: after the fit released train, a
     test failed with KeyError: 'train'. It times a split of the stage now."""
