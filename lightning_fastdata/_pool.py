@@ -87,10 +87,12 @@ def map_runs(fn: Callable[[range], list[T]], weights: Sequence[int], threads: in
     order, concatenated. In the calling thread when ``threads <= 1``, for a single item, or
     when called from a pool thread (no nested waiting on the same pool)."""
     n = len(weights)
-    threads = min(int(threads), n)
-    if threads <= 1 or getattr(_LOCAL, "in_pool", False):
+    threads = int(threads)
+    if min(threads, n) <= 1 or getattr(_LOCAL, "in_pool", False):
         return fn(range(n))
-    parts = pool(threads).map(fn, runs(weights, threads))
+    # Fewer items than threads: fewer runs on the same pool (a pool per list length left an
+    # idle pool behind for every last partial batch).
+    parts = pool(threads).map(fn, runs(weights, min(threads, n)))
     return [item for part in parts for item in part]
 
 

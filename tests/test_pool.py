@@ -33,6 +33,20 @@ def test_map_runs_keeps_the_order_and_uses_the_pool_threads():
     assert map_runs(fn, [1, 1], 1) == [0, 1]  # one thread: the caller's
 
 
+def test_shorter_lists_use_the_one_pool_of_the_threads_asked_for():
+    """A list shorter than the threads asked for (a last partial batch, small eval batches)
+    made a pool of its own length: decoding lists of 2 .. 16 images on 16 threads left 15
+    idle pools (136 threads). The list is cut into fewer runs on the one pool."""
+    def pools():
+        return {t.name.split("_")[0] for t in threading.enumerate() if t.name.startswith("fastdata-cpu")}
+
+    before = pools()
+    for n in range(2, 8):
+        assert map_runs(lambda rows: list(rows), [1] * n, 7) == list(range(n))
+    assert pools() - before <= {"fastdata-cpu7"}
+    assert "fastdata-cpu7" in pools()
+
+
 def test_pool_threads_run_torch_single_threaded_and_the_caller_keeps_its_threads():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
