@@ -896,16 +896,20 @@ class OptimizedDataModule(L.LightningDataModule):
         split = self._current_split()
         augment = self.train_augment if split == "train" else self.eval_augment
         if isinstance(batch, FastBatch):
-            loader = self._loaders.get(split)
-            if loader is not None:
-                loader.consumed(batch)  # resume counts batches used, not those fetched ahead
+            if batch.loader is not None:
+                batch.loader.consumed(batch)  # resume counts batches used, not those fetched ahead
             out = self._finish(batch, split, augment)
         elif isinstance(batch, (dict, list, tuple)) and any(
                 isinstance(b, FastBatch) for b in (batch.values() if isinstance(batch, dict) else batch)):
             # Several loaders of this module combined by Lightning (a dict or list returned by
-            # a *_dataloader override): each batch carries its own indices.
+            # a *_dataloader override): each batch carries its own indices, and is counted as
+            # used by its own loader (else a checkpoint saved while its step runs skips it).
             def finish(b: Any) -> Any:
-                return self._finish(b, split, augment) if isinstance(b, FastBatch) else b
+                if not isinstance(b, FastBatch):
+                    return b
+                if b.loader is not None:
+                    b.loader.consumed(b)
+                return self._finish(b, split, augment)
 
             out = ({k: finish(v) for k, v in batch.items()} if isinstance(batch, dict)
                    else type(batch)(finish(b) for b in batch))

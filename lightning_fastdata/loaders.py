@@ -213,7 +213,7 @@ class FastBatch:
         index: The batch's index within the epoch.
     """
 
-    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index", "prepared", "pending", "split")
+    __slots__ = ("leaves", "spec", "names", "indices", "epoch", "index", "prepared", "pending", "split", "loader")
 
     def __init__(self, leaves: list[Any], spec: dict, names: list[str], indices: torch.Tensor, epoch: int,
                  index: int, prepared: bool = False) -> None:
@@ -226,6 +226,8 @@ class FastBatch:
         self.pending = False
         #: The split of the loader it came from (set by the data module's loaders), or None.
         self.split: str | None = None
+        #: The loader that handed it out (which counts it as used, for resuming), or None.
+        self.loader: _Loader | None = None
 
     @classmethod
     def of(cls, structure: Any, indices: torch.Tensor, epoch: int = 0, index: int = 0) -> FastBatch:
@@ -250,7 +252,7 @@ class FastBatch:
                   for v in self.leaves]
         moved = FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
                           self.epoch, self.index, self.prepared)
-        moved.pending, moved.split = self.pending, self.split
+        moved.pending, moved.split, moved.loader = self.pending, self.split, self.loader
         return moved
 
     def __iter__(self) -> Iterator[Any]:
@@ -537,7 +539,7 @@ class IndexLoader(_Loader):
             for batch in produced:
                 self._yielded = batch.index + 1
                 batch.pending = self.augmented_later and not batch.prepared
-                batch.split = self.split
+                batch.split, batch.loader = self.split, self
                 if note is not None:
                     note(batch.index)
                 yield batch
@@ -785,7 +787,7 @@ class WorkerLoader(_Loader):
                 note(b)
             if isinstance(batch, FastBatch):  # prepared in the worker
                 self._yielded = b + 1
-                batch.split = self.split
+                batch.split, batch.loader = self.split, self
                 yield batch
                 continue
             if self.spec is not None:
@@ -794,5 +796,5 @@ class WorkerLoader(_Loader):
                 spec, names, leaves = flatten_batch(batch)
             self._yielded = b + 1
             out = FastBatch(leaves, spec, names, idx[b * bs:(b + 1) * bs], epoch, b)
-            out.pending, out.split = self.augmented_later, self.split
+            out.pending, out.split, out.loader = self.augmented_later, self.split, self
             yield out

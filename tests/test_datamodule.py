@@ -187,6 +187,50 @@ def test_a_checkpoint_saved_as_a_step_fails_resumes_at_that_batch(tmp_path, stra
         assert torch.equal(y0, y1) and torch.equal(x0, x1)
 
 
+class _DictTrain(TinyDataModule):
+    """Its training loader inside a dict: Lightning combines it."""
+
+    def train_dataloader(self):
+        return {"a": super().train_dataloader()}
+
+
+class _Unwraps(TinyModel):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx)
+
+
+class _UnwrapsFailsOnce(_Unwraps):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("the step failed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("strategy,ahead", [("device", 0), ("device", 1), ("workers", 0)])
+def test_a_combined_training_loader_resumes_at_the_batch_whose_step_failed(tmp_path, strategy, ahead):
+    """With the training loader in a dict (combined by Lightning), the batches were not counted
+    as used: the position was the batches handed out, the in-flight one included, so the run
+    resumed from a checkpoint saved as a step failed never trained on that batch (5 of 6)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    cache = str(tmp_path / "c")
+
+    def dm():
+        return _DictTrain(n=48, batch_size=8, cache_dir=cache, device="cpu", train_augment=_aug(), val=False,
+                          strategy=strategy, num_workers=0, augment_ahead=ahead)
+
+    full = _Unwraps(record=True)
+    trainer(tmp_path, max_epochs=1).fit(full, dm())
+    crash = OnExceptionCheckpoint(dirpath=tmp_path / "exc", filename="crash")
+    with pytest.raises(RuntimeError, match="the step failed"):
+        trainer(tmp_path, max_epochs=1, callbacks=[crash], enable_checkpointing=True).fit(_UnwrapsFailsOnce(), dm())
+    resumed = _Unwraps(record=True)
+    trainer(tmp_path, max_epochs=1).fit(resumed, dm(), ckpt_path=str(tmp_path / "exc" / "crash.ckpt"))
+    assert len(resumed.seen) == 4
+    for (x0, y0), (x1, y1) in zip(full.seen[2:], resumed.seen, strict=True):
+        assert torch.equal(y0, y1) and torch.equal(x0, x1)
+
+
 @pytest.mark.parametrize("strategy", ["chunked", "workers"])
 def test_a_fit_that_fails_leaves_no_loader_threads_or_workers(tmp_path, strategy):
     import threading
