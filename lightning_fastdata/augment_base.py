@@ -475,13 +475,30 @@ class BatchTransform:
 
     def apply(self, x: torch.Tensor | list[torch.Tensor] | Batch,
               **params: Any) -> torch.Tensor | list[torch.Tensor] | Batch:
-        """The op on ``x`` at the given per-sample parameters (as returned by ``draw``)."""
+        """The op on ``x`` at the given per-sample parameters (as returned by ``draw``).
+
+        Raises:
+            ValueError: a parameter with another number of rows than ``x`` has samples, or,
+                on the CPU, outside the range the op draws from (a crop's window past the
+                input): the cut would read other samples' pixels, silently.
+        """
         batch, name = as_batch(x, None)
+        self.check_params(batch, params)
         if batch.ragged and not self.lists:
             out = per_sample(self, batch, params)
         else:
             out = self.apply_batch(batch, **params)
         return out if name is None else out.fields[name]
+
+    def check_params(self, batch: Batch, params: dict[str, Any]) -> None:
+        """Refuse parameters given to ``apply`` that do not fit ``batch``: a tensor of another
+        number of rows than samples. Ops whose parameters have a range check it too, on the
+        CPU only (on an accelerator the check would make the host wait for the device)."""
+        n = len(batch)
+        for k, v in params.items():
+            if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] != n:
+                raise ValueError(f"{type(self).__name__}.apply: parameter {k!r} has {v.shape[0]} rows for a batch of "
+                                 f"{n} samples; draw the parameters for this batch: op.draw(x, keys)")
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

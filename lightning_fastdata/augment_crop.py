@@ -219,7 +219,7 @@ class _CutGeometry:
         return keep  # type: ignore[return-value]
 
 
-def _geometry(sample_shape: tuple[int, ...], size: tuple[int, ...], pad: tuple[int, ...],
+def _cut_geometry(sample_shape: tuple[int, ...], size: tuple[int, ...], pad: tuple[int, ...],
               dtype: torch.dtype) -> _CutGeometry:
     key = (sample_shape, size, pad, dtype)
     geo = _GEOMETRIES.get(key)
@@ -253,7 +253,7 @@ def _masked_cut(x: torch.Tensor, rows: torch.Tensor | None, offset: torch.Tensor
     """
     n = rows.numel() if rows is not None else x.shape[0]
     sample_shape = tuple(x.shape[1:])
-    geo = _geometry(sample_shape, size, pad, x.dtype)
+    geo = _cut_geometry(sample_shape, size, pad, x.dtype)
     if n == 0:
         return x.new_empty((0, *geo.mid, *size))
     numel, margin = geo.numel, geo.margin
@@ -537,6 +537,28 @@ class RandomCrop(BatchTransform):
             return {"offset": torch.minimum(torch.floor(u * highs), highs - 1).long()}
         size, _, _, padded = self._geometry(batch)
         return {"offset": batch.keys.integers(0, [p - s + 1 for p, s in zip(padded, size, strict=True)])}
+
+    def check_params(self, batch: Batch, params: dict[str, Any]) -> None:
+        """Each window inside its padded input: 0 <= offset <= padded - size per axis (CPU)."""
+        super().check_params(batch, params)
+        offset = params.get("offset")
+        if not isinstance(offset, torch.Tensor) or not host_shortcuts(offset.device) or not len(batch):
+            return
+        if batch.ragged:
+            size, _, padded = self._list_geometry(batch)
+            highs = torch.tensor([[p - s for p, s in zip(full, size, strict=True)] for full in padded])
+        else:
+            size, _, _, full = self._geometry(batch)
+            highs = torch.tensor([p - s for p, s in zip(full, size, strict=True)]).expand(len(batch), -1)
+        if offset.shape != highs.shape:
+            raise ValueError(f"RandomCrop.apply: offset has shape {tuple(offset.shape)}, expected {tuple(highs.shape)} "
+                             "(one corner per sample and spatial dim)")
+        bad = ((offset < 0) | (offset > highs)).any(1).nonzero().view(-1)
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"RandomCrop.apply: sample {i}'s offset {offset[i].tolist()} puts its {list(size)} window "
+                             f"past its padded input (offsets 0 to {highs[i].tolist()}); draw the parameters for this "
+                             "batch: op.draw(x, keys)")
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
                     flip_dims: Sequence[int] = (-1,), image_cut: ImageCut | None = None) -> Batch:

@@ -295,6 +295,25 @@ class RandomResizedCrop(BatchTransform):
         fw = torch.where(in_ratio > hi, torch.round(height * hi).clamp(min=1), width)
         return fh, fw
 
+    def check_params(self, batch: Batch, params: dict[str, Any]) -> None:
+        """Each box inside its sample (CPU): top, left >= 0, height, width >= 1, and
+        top + height <= H, left + width <= W (the CPU and accelerator paths would read
+        different pixels past the edge)."""
+        super().check_params(batch, params)
+        box = [params.get(k) for k in ("top", "left", "height", "width")]
+        if not all(isinstance(b, torch.Tensor) for b in box) or not host_shortcuts(box[0].device) or not len(batch):
+            return
+        sizes = batch.spatial_size if batch.ragged else [batch.spatial_size] * len(batch)
+        hw = torch.tensor(sizes, dtype=torch.int64)
+        top, left, height, width = (b.reshape(-1).long() for b in box)
+        bad = ((top < 0) | (left < 0) | (height < 1) | (width < 1) | (top + height > hw[:, 0])
+               | (left + width > hw[:, 1])).nonzero().view(-1)
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"RandomResizedCrop.apply: sample {i}'s box (top={int(top[i])}, left={int(left[i])}, "
+                             f"height={int(height[i])}, width={int(width[i])}) is not inside its {tuple(sizes[i])} "
+                             "image; draw the parameters for this batch: op.draw(x, keys)")
+
     def apply_batch(self, batch: Batch, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
                     width: torch.Tensor, flip: torch.Tensor | None = None) -> Batch:
         """``F.resized_crop`` of each sample with its own box, all at once; ``flip`` (bool (N,))

@@ -671,3 +671,28 @@ def test_a_bad_argument_names_the_op_it_was_given_to(make, message):
     """In a Compose of a YAML config, "p must be in [0, 1], got 1.5" did not say which op."""
     with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_apply_refuses_parameters_that_do_not_fit_the_batch(dtype):
+    """``apply`` took any parameters: a crop offset past the range cut a window wrapped into
+    the next row or another sample's pixels (no error), parameters drawn for 3 samples
+    applied to 2 failed with numpy's broadcast error, and a resized-crop box past the image
+    gave different pixels on the CPU and accelerator paths. Each is refused, naming the op."""
+    x = torch.arange(72).view(2, 1, 6, 6).to(dtype)
+    crop = A.RandomCrop(4, padding=1)  # offsets 0 .. 4 on each axis
+    for offset in ([[0, 5], [0, 0]], [[0, 0], [-1, 2]], [[5, 0], [0, 0]]):
+        with pytest.raises(ValueError, match=r"RandomCrop.apply: sample \d's offset .* past its padded input "
+                                             r"\(offsets 0 to \[4, 4\]\)"):
+            crop.apply(x, offset=torch.tensor(offset))
+    three = crop.draw(torch.zeros(3, 1, 6, 6, dtype=dtype), keys(3))
+    with pytest.raises(ValueError, match=r"RandomCrop.apply: parameter 'offset' has 3 rows for a batch of 2 samples"):
+        crop.apply(x, **three)
+    assert crop.apply(x, offset=torch.tensor([[0, 4], [4, 0]])).shape == (2, 1, 4, 4)  # in range: accepted
+    rrc = A.RandomResizedCrop(4)
+    box = dict(top=torch.tensor([3, 0]), left=torch.tensor([0, 0]), height=torch.tensor([6, 6]),
+               width=torch.tensor([6, 6]))
+    with pytest.raises(ValueError, match=r"RandomResizedCrop.apply: sample 0's box \(top=3, left=0, height=6, "
+                                         r"width=6\) is not inside its \(6, 6\) image"):
+        rrc.apply(x, **box)
+    assert rrc.apply(x, **rrc.draw(x, keys(2))).shape == (2, 1, 4, 4)
