@@ -895,6 +895,8 @@ class OptimizedDataModule(L.LightningDataModule):
         """
         split = self._current_split()
         augment = self.train_augment if split == "train" else self.eval_augment
+        if split == "train":
+            self._close_evaluations()
         if isinstance(batch, FastBatch):
             if batch.loader is not None:
                 batch.loader.consumed(batch)  # resume counts batches used, not those fetched ahead
@@ -927,6 +929,15 @@ class OptimizedDataModule(L.LightningDataModule):
             out = batch
         hook = self._model_hook("on_after_batch_transfer")
         return hook(out, dataloader_idx) if hook is not None else out
+
+    def _close_evaluations(self) -> None:
+        """Training goes on: a validation run is over, and one cut short (the sanity check,
+        ``limit_val_batches``) left its iteration open, which Lightning keeps until the next
+        run; its background thread and the batches it made ahead (device memory on a GPU), or
+        its worker processes, are freed now."""
+        for _, loader in self._made.get("val", ()):
+            if getattr(loader, "active", 0):
+                loader.close_iterations()
 
     def _finish(self, batch: FastBatch, split: str, augment: BatchTransform | None) -> Any:
         """A batch of this module's loaders in the sample's structure, augmented unless its loader did.

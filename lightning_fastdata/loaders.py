@@ -25,6 +25,7 @@ import math
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -315,6 +316,8 @@ class _Loader:
         self.order = order
         #: Iterations under way (a generator suspended mid-epoch counts until it is closed).
         self.active = 0
+        #: Those iterations, to close one its loop left unfinished (see ``close_iterations``).
+        self._live: weakref.WeakSet = weakref.WeakSet()
         #: Set by the data module: its augmentation runs after the transfer, not in this loader;
         #: the batches handed out say so (``FastBatch.pending``).
         self.augmented_later = False
@@ -342,6 +345,22 @@ class _Loader:
     def sampler(self) -> ShardedOrder:
         """The order object; Lightning calls ``set_epoch`` on a loader's ``sampler``."""
         return self.order
+
+    def __iter__(self) -> Iterator[FastBatch]:
+        it = self._iterate()
+        self._live.add(it)
+        return it
+
+    def _iterate(self) -> Iterator[FastBatch]:
+        raise NotImplementedError
+
+    def close_iterations(self) -> None:
+        """Close the iterations under way: the background thread and the batches it holds ready
+        (``ahead``), or the workers of a non-persistent loader, are freed now, not when the
+        loop that abandoned the iteration starts again (Lightning keeps a validation run's
+        iterator, cut short by ``limit_val_batches`` or the sanity check, until the next one)."""
+        for it in list(self._live):
+            it.close()
 
     @property
     def batch_sampler(self) -> Any:
@@ -528,7 +547,7 @@ class IndexLoader(_Loader):
         finally:
             batches.close()  # the source's finally runs here, in the producing thread
 
-    def __iter__(self) -> Iterator[FastBatch]:
+    def _iterate(self) -> Iterator[FastBatch]:
         start = self._start()
         note = self._noting(self.order.epoch)
         produced = self._produce(start)
@@ -767,7 +786,7 @@ class WorkerLoader(_Loader):
         garbage-collected, which the loader/sampler reference cycle delays to the next collection."""
         shutdown_dataloader_workers(self.dataloader)
 
-    def __iter__(self) -> Iterator[FastBatch]:
+    def _iterate(self) -> Iterator[FastBatch]:
         start = self._start()
         epoch = self.iter_epoch = self.order.epoch
         self.iter_start = start

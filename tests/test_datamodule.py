@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import CountingDataset, TinyDataModule, TinyModel, trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
 
 from lightning_fastdata import augment as A
 from lightning_fastdata.loaders import FastBatch
@@ -1114,3 +1114,27 @@ def _close_loader(loader) -> None:
     close = getattr(loader, "close", None)
     if close is not None:
         close()
+
+
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_a_validation_run_cut_short_frees_its_iteration_once_training_goes_on(tmp_path, strategy):
+    """The sanity check (2 batches) left the val loader's iteration open, which Lightning keeps
+    until the next validation run: its background thread and the batches it made ahead
+    (device memory on a GPU), or its workers, lived through the training epoch after it."""
+    import threading
+
+    seen = {}
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                seen["threads"] = sum(t.name == "lightning_fastdata-ahead" for t in threading.enumerate())
+                seen["open"] = [loader.active for _, loader in trainer.datamodule._made.get("val", [])]
+
+    dm = TinyDataModule(n=96, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy,
+                        augment_ahead=1 if strategy == "device" else 0, num_workers=0 if strategy == "device" else 1,
+                        persistent_workers=False, train_augment=_aug(), eval_augment=_aug())
+    trainer(tmp_path, max_steps=4, num_sanity_val_steps=2, limit_val_batches=3, callbacks=[Probe()]).fit(TinyModel(), dm)
+    assert seen["open"] and not any(seen["open"])
+    if strategy == "device":
+        assert seen["threads"] == 1  # the training loader's
