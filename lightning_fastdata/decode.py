@@ -6,10 +6,13 @@ This module is the one place that knows which library decodes JPEGs. Today that 
 list in one batched nvJPEG call on CUDA, and on the CPU (libjpeg-turbo) releases the GIL
 while it decodes, so threads scale with cores. torchvision 0.29 deprecates its image
 codecs in favour of TorchCodec and warns on every call (a ``DeprecationWarning``); the
-warning is ignored here, around our own calls only. TorchCodec's ``decode_jpeg`` gives the
-same pixels at the same speed (measured on 0.17: same libjpeg-turbo); it is used when the
-installed torchvision no longer has a decoder, so nothing else changes when torchvision
-drops it.
+warning is ignored here, around our own calls only. TorchCodec's ``decode_jpeg`` is used
+when the installed torchvision no longer has a decoder, so nothing else changes when
+torchvision drops it: same libjpeg-turbo, same speed (measured on 0.17). Unlike
+torchvision's, it always applies the EXIF orientation (no option turns that off), which
+would flip or transpose photos against the un-rotated shapes a store records: it is handed
+a copy of each JPEG without its EXIF segments (:func:`_without_exif`, only for files that
+have one), so it gives torchvision's pixels.
 """
 
 from __future__ import annotations
@@ -45,9 +48,55 @@ def _torchcodec_decoder() -> Callable[..., object] | None:
         return None
 
     def run(data: torch.Tensor | list[torch.Tensor], device: torch.device, gray: bool = False) -> object:
+        # TorchCodec always rotates by the EXIF orientation; torchvision, PIL and the shapes a
+        # store records do not: give it bytes with no orientation to apply.
+        data = [_without_exif(t) for t in data] if isinstance(data, list) else _without_exif(data)
         return decode_jpeg(data, mode="GRAY" if gray else "RGB", device=device)
 
     return run
+
+
+#: The identifier that opens an APP1 segment holding EXIF (TIFF) data, orientation included.
+_EXIF = b"Exif\x00\x00"
+
+
+def _without_exif(data: torch.Tensor) -> torch.Tensor:
+    """A JPEG's bytes without its APP1 EXIF segments; ``data`` itself when it has none.
+
+    Walks the markers from SOI to the first scan (SOS), skipping each segment by its length;
+    the pixels are untouched. Bytes that are not a well-formed JPEG header are kept as they
+    are, for the decoder to refuse.
+    """
+    b = data.numpy()
+    n = b.shape[0]
+    if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
+        return data
+    cut: list[tuple[int, int]] = []
+    i = 2
+    while i + 3 < n and b[i] == 0xFF:
+        marker = int(b[i + 1])
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+            continue
+        if marker == 0xDA or marker == 0xD9:  # the scan (EXIF comes before it), or the end
+            break
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        end = i + 2 + (int(b[i + 2]) << 8 | int(b[i + 3]))
+        if end > n:
+            break
+        if marker == 0xE1 and b[i + 4:i + 10].tobytes() == _EXIF:
+            cut.append((i, end))
+        i = end
+    if not cut:
+        return data
+    keep, start = [], 0
+    for a, z in cut:
+        keep.append(data[start:a])
+        start = z
+    keep.append(data[start:])
+    return torch.cat(keep)
 
 
 #: The chosen decoder, found on first use: (library name, function).

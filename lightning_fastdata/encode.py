@@ -8,7 +8,8 @@ starting with the SOI marker ``FF D8``, as ``torchvision.io.read_file`` gives) i
 as it is, unless it is larger than ``max_side``: then it is decoded, resized and
 re-encoded. Each image's decoded ``(C, H, W)`` is read from the JPEG frame header, so
 stored bytes need no decode to be measured; bytes cut short (no end-of-image marker, and
-no decode) are refused, naming the sample.
+no decode) are refused, naming the sample; so are 1-D bytes of another format (PNG, GIF,
+text...), named by their first bytes.
 
 Channels: an image tensor the store encodes comes back with its own channels (1 or 3);
 JPEG bytes from the source come back RGB, 3 channels, grayscale and CMYK files included
@@ -199,6 +200,15 @@ def encode_jpeg_leaf(value: np.ndarray, quality: int, max_side: int | None,
         image = _decode_named(value, where)  # to resize: a corrupt middle fails here, named
     elif value.dtype == np.uint8 and value.ndim == 3 and value.shape[0] in (1, 3):
         image = torch.from_numpy(np.ascontiguousarray(value))
+    elif value.dtype == np.uint8 and value.ndim == 1 and value.size == 0:
+        raise ValueError(f"{where} is empty (0 bytes: an empty file?); replace it, or leave it out of the source")
+    elif value.dtype == np.uint8 and value.ndim == 1:
+        raise ValueError(
+            f"{where} is not JPEG bytes: {_what_bytes(value)}; encode='jpeg' keeps JPEG files and encodes uint8 "
+            "(C, H, W) images: decode other files in static_transform (e.g. "
+            "torchvision.transforms.functional.pil_to_tensor(PIL.Image.open(io.BytesIO(data.numpy().tobytes()))"
+            ".convert('RGB'))), or do not encode this field"
+        )
     else:
         raise ValueError(
             f"{where} is {value.dtype} with shape {tuple(value.shape)}; encode='jpeg' needs a uint8 (C, H, W) "
@@ -215,6 +225,30 @@ def encode_jpeg_leaf(value: np.ndarray, quality: int, max_side: int | None,
         data = encode_jpeg(image, quality=quality)
     c, h, w = (int(s) for s in image.shape)
     return data.numpy(), (c, h, w)
+
+
+#: File signatures (magic numbers) of formats that arrive where JPEG bytes are expected.
+_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "a PNG file"), (b"GIF87a", "a GIF file"), (b"GIF89a", "a GIF file"),
+               (b"BM", "a BMP file"), (b"II*\x00", "a TIFF file"), (b"MM\x00*", "a TIFF file"),
+               (b"\x00\x00\x00\x0cjP  ", "a JPEG 2000 file"), (b"\xff\x4f\xff\x51", "a JPEG 2000 codestream"))
+
+
+def _what_bytes(value: np.ndarray) -> str:
+    """What 1-D bytes that are not a JPEG look like, by their first bytes: "it starts with 89 50 4E 47 (a PNG file)"."""
+    head = value[:16].tobytes()
+    shown = f"it starts with {head[:8].hex(' ').upper()}"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return f"{shown} (a WebP file)"
+    if head[:4] == b"RIFF":
+        return f"{shown} (a RIFF file: audio or video?)"
+    if head[4:8] == b"ftyp":
+        return f"{shown} (an ISO media file: HEIC, AVIF or video)"
+    for magic, name in _SIGNATURES:
+        if head.startswith(magic):
+            return f"{shown} ({name})"
+    if all(32 <= c < 127 or c in b"\t\r\n" for c in head):
+        return f"{shown} (text: {head.decode('ascii')!r})"
+    return f"{shown} (no image format this library knows)"
 
 
 def _check_side(h: int, w: int, max_side: int | None, where: str) -> None:

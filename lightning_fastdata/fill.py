@@ -34,6 +34,7 @@ from lightning_fastdata.structure import (
     flatten,
     ragged_info,
     read_sample,
+    sample_name,
 )
 
 _NPY_HEADER = 4096  # upper bound of one .npy header, for the space estimate
@@ -147,12 +148,17 @@ class Layout:
                 "keypoints), they no longer match the stored image. Scale them in static_transform (resize the "
                 "image there too and set max_side=None), or hold coordinates relative to the image size (0 to 1).")
 
-    def stored(self, info: FieldInfo, value: np.ndarray, index: int) -> tuple[np.ndarray, tuple[int, ...] | None]:
-        """A sample's value as stored, and its decoded shape when encoded (``None`` otherwise)."""
+    def stored(self, info: FieldInfo, value: np.ndarray, index: int,
+               dataset: Any = None) -> tuple[np.ndarray, tuple[int, ...] | None]:
+        """A sample's value as stored, and its decoded shape when encoded (``None`` otherwise).
+
+        ``dataset``, the source, only names the sample's file in an error (see :func:`sample_name`).
+        """
         if info.encoding is None:
             return value, None
         try:
-            return E.encode_jpeg_leaf(value, self.jpeg_quality, self.max_side, f"sample {index}, field '{info.name}'")
+            return E.encode_jpeg_leaf(value, self.jpeg_quality, self.max_side,
+                                      f"{sample_name(dataset, index)}, field '{info.name}'")
         except ValueError as e:
             raise StoreError(str(e)) from None
 
@@ -316,7 +322,7 @@ class _FillChunks(torch.utils.data.Dataset):
                     if not info.ragged:
                         arrays["data"][i] = value
                         continue
-                    stored, decoded = self.layout.stored(info, value, i)
+                    stored, decoded = self.layout.stored(info, value, i, self.dataset)
                     arrays["offsets"][i + 1] = stored.size
                     arrays["shapes"][i] = stored.shape
                     if decoded is not None:

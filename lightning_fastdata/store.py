@@ -203,7 +203,7 @@ def _probe(dataset: Any, transform: Callable[[Any], Any], n: int, probes: int, l
         digests[i] = F.leaf_digests(leaves)
         for k, (info, (_, value)) in enumerate(zip(infos, leaves, strict=True)):
             if info.ragged:
-                sizes.setdefault(k, []).append(int(layout.stored(info, value, i)[0].nbytes))
+                sizes.setdefault(k, []).append(int(layout.stored(info, value, i, dataset)[0].nbytes))
     infos = [replace(info, mean_nbytes=-(-sum(sizes[k]) // len(sizes[k]))) if k in sizes else info
              for k, info in enumerate(infos)]
     return _Probe(spec, infos, digests, (time.perf_counter() - t0) / max(len(idx), 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import importlib
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -98,15 +99,38 @@ def _tv_kind(value: Any) -> str | None:
     return None
 
 
+def sample_name(dataset: Any, index: int) -> str:
+    """``"sample 3"``, with the file the source reads for it when it lists one path per item
+    (``ImageFolder``'s ``samples``/``imgs``, also through ``Subset``s): ``"sample 3 (/data/cat/x.jpg)"``.
+
+    For error messages only: anything unexpected on the source just leaves the path out.
+    """
+    try:
+        source, i = dataset, index
+        while isinstance(source, torch.utils.data.Subset):  # random_split's halves: the inner dataset's item
+            source, i = source.dataset, int(source.indices[i])
+        for attr in ("samples", "imgs"):
+            items = getattr(source, attr, None)
+            # One entry per item, as discover_files reads them: a path, or a tuple whose first item is one.
+            if isinstance(items, (list, tuple)) and len(items) == len(source):
+                item = items[i]
+                path = item[0] if isinstance(item, (list, tuple)) and item else item
+                if isinstance(path, (str, os.PathLike)):
+                    return f"sample {index} ({os.fspath(path)})"
+    except Exception:  # noqa: BLE001 - naming the file must never replace the error being reported
+        pass
+    return f"sample {index}"
+
+
 def read_sample(dataset: Any, transform: Callable[[Any], Any], index: int) -> Any:
-    """``transform(dataset[index])``; an error raised there gets a note naming the sample."""
+    """``transform(dataset[index])``; an error raised there gets a note naming the sample (and its file)."""
     try:
         return transform(dataset[index])
     except Exception as e:
         # The user's own code raised: keep its exception (type and traceback), and say which
         # sample it was reading, which the traceback alone does not (workers lose the frame).
-        e.add_note(f"lightning_fastdata: raised while caching sample {index} (the source's item {index}, "
-                   "then static_transform)")
+        e.add_note(f"lightning_fastdata: raised while caching {sample_name(dataset, index)} (the source's item "
+                   f"{index}, then static_transform)")
         raise
 
 

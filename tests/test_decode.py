@@ -135,3 +135,74 @@ def test_cuda_decodes_a_batch_with_a_cmyk_jpeg_in_order():
         assert a.device.type == "cuda" and a.shape == b.shape
         assert (a.cpu().int() - b.int()).abs().max() <= 3
     assert torch.equal(out[1].cpu(), _pil_rgb(data[1]))  # libjpeg-turbo decoded it: bit-equal to PIL
+
+
+def _exif_jpeg(orientation: int | None, progressive: bool = False, mode: str = "RGB") -> torch.Tensor:
+    """A 64x40 (W x H) photo-like JPEG, written by PIL with an EXIF orientation tag (None: no EXIF)."""
+    rng = np.random.default_rng(orientation or 0)
+    arr = np.asarray(Image.fromarray(rng.integers(0, 256, (5, 8, 3), dtype=np.uint8)).resize((64, 40)))
+    img = Image.fromarray(arr).convert(mode)
+    kwargs: dict = {"quality": 90, "progressive": progressive}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kwargs["exif"] = exif.tobytes()
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kwargs)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def test_exif_is_cut_from_a_jpeg_keeping_its_pixels_and_jpegs_without_exif_pass_as_they_are():
+    from lightning_fastdata.decode import _without_exif
+
+    for orientation in range(1, 9):
+        for progressive, mode in ((False, "RGB"), (True, "RGB"), (False, "L")):
+            data = _exif_jpeg(orientation, progressive, mode)
+            assert Image.open(io.BytesIO(data.numpy().tobytes())).getexif().get(0x0112) == orientation
+            out = _without_exif(data)
+            assert out.numel() < data.numel()
+            assert Image.open(io.BytesIO(out.numpy().tobytes())).getexif().get(0x0112) is None
+            assert torch.equal(decode_jpegs([out], "cpu")[0], decode_jpegs([data], "cpu")[0])
+    plain = _exif_jpeg(None)
+    not_jpeg = torch.zeros(64, dtype=torch.uint8)
+    assert _without_exif(plain) is plain and _without_exif(not_jpeg) is not_jpeg
+    short = data[:3]
+    assert _without_exif(short) is short  # too short to walk: kept, for the decoder to refuse
+
+
+def test_the_torchcodec_backend_gives_the_unrotated_pixels_of_exif_oriented_jpegs(monkeypatch):
+    """TorchCodec (decode.py's backend when torchvision has no JPEG decoder) always applies the
+    EXIF orientation: orientations 2-8 came out flipped or transposed ((3, 64, 40) for a store
+    that recorded (3, 40, 64)). Simulated with a stand-in that rotates as TorchCodec does."""
+    import sys
+    import types
+
+    from PIL import ImageOps
+
+    import lightning_fastdata.decode as D
+
+    def decode_jpeg(source, mode="RGB", device="cpu"):
+        def one(t: torch.Tensor) -> torch.Tensor:
+            img = ImageOps.exif_transpose(Image.open(io.BytesIO(t.numpy().tobytes())))  # as TorchCodec: always
+            arr = np.array(img.convert("L" if mode == "GRAY" else "RGB"))
+            return torch.from_numpy(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1).copy())
+
+        return [one(t) for t in source] if isinstance(source, list) else one(source)
+
+    decoders = types.ModuleType("torchcodec.decoders")
+    decoders.decode_jpeg = decode_jpeg
+    package = types.ModuleType("torchcodec")
+    package.decoders = decoders
+    monkeypatch.setitem(sys.modules, "torchcodec", package)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", decoders)
+    monkeypatch.setattr(D, "_torchvision_decoder", lambda: None)  # an installed torchvision without decoder
+    monkeypatch.setattr(D, "_DECODER", [])
+    assert backend() == "torchcodec"
+    data = [_exif_jpeg(k, progressive=k == 6) for k in range(1, 9)] + [_exif_jpeg(6, mode="L"), _exif_jpeg(None)]
+    assert tuple(decode_jpeg(data[5]).shape) == (3, 64, 40)  # the stand-in rotates orientation 6, as TorchCodec
+    for threads in (1, 2):
+        out = decode_jpegs(data, "cpu", threads=threads, channels=[3] * 8 + [1, 3])
+        for k, (d, img) in enumerate(zip(data, out, strict=True)):
+            pil = Image.open(io.BytesIO(d.numpy().tobytes()))  # ImageFolder's loader: not rotated
+            want = np.array(pil.convert("L"))[None] if k == 8 else np.array(pil.convert("RGB")).transpose(2, 0, 1)
+            assert img.shape == want.shape and np.array_equal(img.numpy(), want), f"sample {k}"

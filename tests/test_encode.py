@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import numpy as np
@@ -106,7 +107,7 @@ def test_bad_samples_for_jpeg_name_the_sample_and_the_fix(tmp_path):
         def __getitem__(self, i: int):
             return torch.zeros(16, dtype=torch.uint8) if i == 3 else photo(i, 8, 16), i
 
-    with pytest.raises(StoreError, match=r"sample 3, field '0' is uint8 with shape \(16,\); encode='jpeg' needs"):
+    with pytest.raises(StoreError, match=r"sample 3, field '0' is not JPEG bytes: it starts with 00 00 00 00"):
         build_store(NotJpeg(), lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False, probes=2)
     assert not list((tmp_path / "cache").rglob("field_*"))
 
@@ -446,3 +447,76 @@ def test_max_side_refuses_to_shrink_an_image_away_from_its_mask(tmp_path):
             assert [im.shape[1:] for im in out["image"]] == [m.shape[1:] for m in out["mask"]]
         finally:
             dm.teardown("fit")
+
+
+def test_bytes_of_another_format_are_named_by_their_signature_with_the_fix():
+    """Before: every 1-D uint8 value that is not a JPEG (a PNG named .jpg, a GIF, a text file) got
+    "is uint8 with shape (1019,); encode='jpeg' needs a uint8 (C, H, W) image", naming no format."""
+    import io
+
+    from PIL import Image
+
+    def saved(fmt: str, mode: str = "RGB") -> np.ndarray:
+        buf = io.BytesIO()
+        Image.new(mode, (30, 20), 128).save(buf, fmt)
+        return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+    cases = [(saved("PNG", "RGBA"), r"89 50 4E 47 0D 0A 1A 0A \(a PNG file\)"),
+             (saved("PNG", "I;16"), r"\(a PNG file\)"), (saved("GIF", "P"), r"47 49 46 38 .*\(a GIF file\)"),
+             (saved("BMP"), r"42 4D .*\(a BMP file\)"), (saved("WEBP"), r"52 49 46 46 .*\(a WebP file\)"),
+             (saved("TIFF"), r"\(a TIFF file\)"),
+             (np.frombuffer(b"hello, this is not an image\n" * 3, np.uint8), r"\(text: 'hello, this is n'\)"),
+             (np.arange(7, 27, dtype=np.uint8), r"07 08 09 0A 0B 0C 0D 0E \(no image format this library knows\)")]
+    for value, what in cases:
+        with pytest.raises(ValueError, match=rf"^sample 4, field 'x' is not JPEG bytes: it starts with .*{what}; "
+                                             r"encode='jpeg' keeps JPEG files .* decode other files in "
+                                             r"static_transform \(e.g\. .*pil_to_tensor"):
+            encode_jpeg_leaf(value, 90, None, "sample 4, field 'x'")
+    with pytest.raises(ValueError, match=r"sample 4, field 'x' is empty \(0 bytes: an empty file\?\); replace it"):
+        encode_jpeg_leaf(np.zeros(0, np.uint8), 90, 16, "sample 4, field 'x'")
+
+
+def _image_folder(root, files: dict[str, bytes], loader=None):
+    """A torchvision ImageFolder of one class over ``files`` (sorted by name: that is the index order)."""
+    from torchvision.datasets import ImageFolder
+
+    (root / "cls").mkdir(parents=True)
+    for name, data in files.items():
+        (root / "cls" / name).write_bytes(data)
+    return ImageFolder(str(root), loader=loader or (lambda p: torch.from_numpy(np.fromfile(p, dtype=np.uint8))),
+                       is_valid_file=lambda p: True)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_bad_file_in_an_image_folder_is_named_by_its_path(tmp_path, jpeg_files, workers):
+    """Before: "sample 1, field '0' is uint8 with shape (1019,)" or "sample 1, field '0' is JPEG bytes
+    (934 bytes) that do not decode", naming no file, though ImageFolder.samples lists each one's path."""
+    import io
+
+    from PIL import Image
+
+    good = [open(p, "rb").read() for p in jpeg_files[:4]]
+    png = io.BytesIO()
+    Image.new("RGB", (30, 20), 7).save(png, "PNG")
+    bad = {"png": png.getvalue(), "truncated": good[1][: len(good[1]) * 2 // 3], "empty": b""}
+    want = {"png": r"is not JPEG bytes: it starts with 89 50 4E 47 0D 0A 1A 0A \(a PNG file\)",
+            "truncated": r"is JPEG bytes \(\d+ bytes\) that do not decode \(.*\): the file is truncated or corrupt",
+            "empty": r"is empty \(0 bytes: an empty file\?\)"}
+    for kind, data in bad.items():
+        root = tmp_path / kind
+        # Index 1 is not among the 2 probes (the first and the last): the parallel fill meets it.
+        source = _image_folder(root, {"a.jpg": good[0], "b.jpg": data, "c.jpg": good[2], "d.jpg": good[3]})
+        path = str(root / "cls" / "b.jpg")
+        for max_side in (None, 16):
+            with pytest.raises(StoreError, match=rf"^sample 1 \({re.escape(path)}\), field '0' {want[kind]}"):
+                build_store(source, lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, max_side=max_side,
+                            progress=False, probes=2, num_workers=workers)
+            assert not list((tmp_path / "cache").rglob("field_*"))
+    # A bad file among the probes (read before the fill: every file of a small folder) too.
+    with pytest.raises(StoreError, match=rf"^sample 1 \({re.escape(path)}\), field '0' is empty"):
+        build_store(source, lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False, probes=8,
+                    num_workers=workers)
+    # Through random_split's Subset, the inner dataset's file is named.
+    subset = torch.utils.data.Subset(source, [2, 0, 1, 3])
+    with pytest.raises(StoreError, match=rf"^sample 2 \({re.escape(path)}\), field '0' is empty"):
+        build_store(subset, lambda s: s, tmp_path / "cache", encode={"0": "jpeg"}, progress=False, probes=2)

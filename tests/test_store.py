@@ -665,3 +665,22 @@ def test_cache_dir_with_a_tilde_a_file_or_no_write_access_is_named(tmp_path, mon
                                          r"cache_dir to a writable directory"):
         build_store(CountingDataset(9), lambda s: s, tmp_path / "home" / "caches", progress=False)
     assert build_store(CountingDataset(8), lambda s: s, "~/caches", progress=False).path == store.path  # reused
+
+
+def test_an_error_reading_a_sample_names_its_file_when_the_source_lists_paths(tmp_path):
+    """Before: a zero-byte file the user's loader refused got only the note "raised while caching
+    sample 1", though the source (an ImageFolder) lists every item's path in ``samples``."""
+    from torchvision.datasets import ImageFolder
+
+    (tmp_path / "photos" / "cls").mkdir(parents=True)
+    for name, data in (("a.jpg", b"\xff\xd8 one"), ("b.jpg", b""), ("c.jpg", b"\xff\xd8 two")):
+        (tmp_path / "photos" / "cls" / name).write_bytes(data)
+    source = ImageFolder(str(tmp_path / "photos"), is_valid_file=lambda p: True,
+                         loader=lambda p: torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8))
+    path = str(tmp_path / "photos" / "cls" / "b.jpg")
+    for probes in (2, 8):  # the fill meets it, or the probe
+        with pytest.raises(ValueError, match="must not be 0") as raised:  # torch.frombuffer's own error, kept
+            build_store(source, lambda s: s, tmp_path / "cache", progress=False, probes=probes)
+        assert raised.value.__notes__ == [f"lightning_fastdata: raised while caching sample 1 ({path}) (the source's "
+                                          "item 1, then static_transform)"]
+        assert not list((tmp_path / "cache").rglob("field_*"))
