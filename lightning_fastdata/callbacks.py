@@ -62,7 +62,7 @@ class FastDataCallback(Callback):
             lack it (the user's ``worker_init_fn`` still runs, after ours), and warn once
             when a loader's randomness would repeat.
         trace: Write a Chrome trace of a window of training steps to this path (see
-            :class:`DataWaitProfiler`); the report names the file. None: no trace.
+            :class:`DataWaitProfiler`); the report names the file. None: no trace. Needs ``profile``.
         trace_steps: ``(first, count)``: the traced training steps, counted from 0 over the fit, one
             per batch (under gradient accumulation, several make one optimizer step).
         clock: Time source in seconds (tests inject a fake one).
@@ -78,6 +78,10 @@ class FastDataCallback(Callback):
                             ("seed_workers", seed_workers)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
+        if trace is not None and not profile:
+            # The profiler takes the trace: with profile=False nothing would ever be written.
+            raise ValueError(f"trace={trace!r} needs profile=True (the profiler records the traced steps): set "
+                             "profile=True, or drop trace")
         self.profile = profile
         self.set_epoch, self.log_memory = set_epoch, log_memory
         self.set_epoch_calls: list[tuple[str, int]] = []

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -82,7 +83,7 @@ from lightning_fastdata.step_timer import (
     make_step,
     make_transfer,
 )
-from lightning_fastdata.trace import AUGMENT, StepTrace
+from lightning_fastdata.trace import AUGMENT, StepTrace, check_path
 
 #: Per-step hooks the profiler does not use while it times the loop itself. Lightning dispatches
 #: every hook to every callback, and each dispatch costs ~1.4 us (~16,000 instructions) per step
@@ -110,7 +111,9 @@ class DataWaitProfiler(Callback):
         max_pending: On a GPU, steps whose CUDA events are still unread before the oldest
             one is waited for; normally events complete long before.
         print_report: Print the report at the end of ``fit`` (rank 0).
-        trace: Write a Chrome trace of a window of training steps to this path (None: off).
+        trace: Write a Chrome trace of a window of training steps to this path (None: off; ``~`` is
+            expanded). Refused at once when it names a directory, ends in a separator, or lies
+            under a file or a directory this process may not write in.
         trace_steps: ``(first, count)``: the window, in training steps counted from 0 over the fit,
             one per batch (under gradient accumulation, several make one optimizer step).
     """
@@ -129,8 +132,8 @@ class DataWaitProfiler(Callback):
             raise ValueError(f"print_report must be True or False, got {print_report!r}")
         if trace is not None and not isinstance(trace, (str, os.PathLike)):
             raise TypeError(f"trace must be a file path or None, got {trace!r}")
-        if trace is not None and os.path.isdir(trace):
-            raise ValueError(f"trace must be a file path, got {trace!r}, an existing directory")
+        if trace is not None:
+            trace = check_path(trace)
         if (not isinstance(trace_steps, (tuple, list)) or len(trace_steps) != 2
                 or any(isinstance(v, bool) or not isinstance(v, int) for v in trace_steps)
                 or trace_steps[0] < 0 or trace_steps[1] < 1):
@@ -191,6 +194,8 @@ class DataWaitProfiler(Callback):
             # fits mixed (a validate or test after a fit keeps the fit's).
             self._train, self._val = Stage("train"), Stage("validate")
             self._replayed = None
+            if self.trace is not None:
+                self._new_trace()
         try:
             sites = door.timing_sites(trainer)
         except door.DoorClosed as e:
@@ -199,10 +204,10 @@ class DataWaitProfiler(Callback):
                            "its end.")
             self._hooks = HookTimer(self.clock, self._hot)
             door.show_hooks(self, FALLBACK_HOOKS)
+            if stage == "fit" and self._tracer is not None:
+                self._warn_once("trace_hooks", f"the public batch hooks take no trace: {self.trace} is not written.")
+                self._tracer = None
             return
-        if stage == "fit" and self.trace is not None:
-            # trace_steps counts from 0 over each fit: a second fit with this callback traces its own window.
-            self._tracer = StepTrace(self.trace, *self.trace_steps)
         clock, hot, tracer = self.clock, self._hot, self._tracer
         span = tracer.span if tracer is not None else None
         # Lightning's own fetch hooks only feed trainer.profiler; with the default no-op profiler
@@ -229,6 +234,22 @@ class DataWaitProfiler(Callback):
         self._patches.wrap(sites.val_run, self._after_validation(sites.val_run.original))
         if tracer is not None:
             self._trace_augment(trainer)
+
+    def _new_trace(self) -> None:
+        """A fit's own trace: ``trace_steps`` counts from 0 over each fit.
+
+        The file an earlier fit of this profiler wrote goes first: a fit that traces no step
+        (shorter than the window's start, or stopped before it) left it in place, to be taken
+        for its own.
+        """
+        old = self._tracer
+        if old is not None and old.written is not None:
+            try:
+                old.written.unlink(missing_ok=True)
+            except OSError as e:
+                warnings.warn(f"{type(self).__name__}: could not remove {old.written}, the trace of an earlier fit: "
+                              f"{e}; it is not this fit's", stacklevel=2)
+        self._tracer = StepTrace(self.trace, *self.trace_steps)  # type: ignore[arg-type]
 
     def _after_validation(self, original: Callable[[], Any]) -> Callable[[], Any]:
         """The validation loop inside fit, wrapped: the next training step starts when it returns.
@@ -288,6 +309,7 @@ class DataWaitProfiler(Callback):
         traced so far, and restore everything :meth:`setup` wrapped."""
         if self._enabled and self._tracer is not None and self._trainer is not None:
             self._write_trace(trainer)
+            self._check_traced()
         self.teardown(trainer, pl_module, "fit")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -387,18 +409,37 @@ class DataWaitProfiler(Callback):
     def _write_trace(self, trainer: L.Trainer) -> None:
         """Write the steps traced so far (their events are read: the epoch has ended); a failure only warns."""
         tracer = self._tracer
+        assert tracer is not None
+        rank = trainer.global_rank
         try:
-            written = tracer.write(trainer.global_rank)  # type: ignore[union-attr]
+            written = tracer.write(rank)
         except OSError as e:
-            self._warn_once("trace", f"could not write the trace to {tracer.rank_path(trainer.global_rank)}: "  # type: ignore[union-attr]
-                            f"{e}; training goes on without it")
+            if "trace" not in self._warned:
+                # Every rank writes its own file: a rank > 0 that cannot says so itself (rank_zero_warn
+                # would drop its warning, and the file would just be missing).
+                self._warned.add("trace")
+                who = f"rank {rank} " if rank or trainer.world_size > 1 else ""
+                warnings.warn(f"{type(self).__name__}: {who}could not write the trace to {tracer.rank_path(rank)}: "
+                              f"{e}; training goes on without it", stacklevel=2)
             return
-        if written is not None and tracer.complete:  # type: ignore[union-attr]
-            s = tracer.summary()  # type: ignore[union-attr]
+        if written is not None and tracer.complete:
+            s = tracer.summary()
             rank_zero_info(f"lightning_fastdata: trace of training steps {s['first_step']} to {s['last_step']} "
                            f"written to {s['path']}")
 
+    def _check_traced(self) -> None:
+        """Warn when this fit ran no step of the trace's window: no trace is written then."""
+        tracer = self._tracer
+        if tracer is None or tracer.steps:
+            return
+        first, last = tracer.first, tracer.first + tracer.count - 1
+        rank_zero_warn(f"{type(self).__name__}: no training step in {first}..{last} (trace_steps={self.trace_steps}) "
+                       f"ran: this fit ran {tracer.seen} training steps; the trace was not written to {tracer.path}. "
+                       "Start the window at a step the fit reaches (trace_steps=(first, count)).")
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._enabled:
+            self._check_traced()
         replay = self._replay
         if self.replay_steps and replay.captured:
             self._hot.active = None

@@ -73,7 +73,8 @@ def verdict_of(summary: Mapping[str, Any], context: Mapping[str, Any] | None = N
 
     * ``host-bound``: the GPU idles at least ``HOST_IDLE_FRAC`` of its time and the host's
       own work (:func:`host_share`) is at least the real data wait (a wait off the device);
-      known only on a GPU, where idle time is measured;
+      where no GPU idle is measured (a CPU run), the framework overhead is at least
+      ``OVERHEAD_ADVICE_FRAC`` of the step and more than both data wait and compute;
     * ``data-bound``: the data wait exceeds compute;
     * ``compute-bound`` otherwise.
 
@@ -89,6 +90,12 @@ def verdict_of(summary: Mapping[str, Any], context: Mapping[str, Any] | None = N
     idle = summary.get("gpu_idle_frac")
     if idle is not None and idle >= HOST_IDLE_FRAC and host > 0 and host >= loading:
         return {"verdict": "host-bound", "share": host}
+    overhead = summary["overhead_s"]
+    if (idle is None and summary["overhead_frac"] >= OVERHEAD_ADVICE_FRAC
+            and overhead > summary["data_wait_s"] and overhead > summary["compute_s"]):
+        # No device idle to measure: the host's own work is the largest part of the step itself
+        # (a callback's batch hook, logging), which neither the loader nor the model speeds up.
+        return {"verdict": "host-bound", "share": summary["overhead_frac"]}
     if summary["data_wait_s"] > summary["compute_s"]:
         return {"verdict": "data-bound", "share": summary["data_wait_frac"]}
     return {"verdict": "compute-bound", "share": summary["compute_frac"]}
@@ -111,9 +118,22 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any], stage: str = 
     cores = int(context.get("cores") or 1)
     cuda = context.get("device_type") == "cuda"
     on_device = data_on_device(context)
-    host_bound = summary.get("verdict") == "host-bound"
     idle = summary.get("gpu_idle_frac")
+    # host-bound on a GPU: the device idles while the host launches work; without a measured idle
+    # (a CPU run): the framework overhead is the largest part of the step.
+    host_bound = summary.get("verdict") == "host-bound" and idle is not None
+    overhead_bound = summary.get("verdict") == "host-bound" and idle is None
+    restarting = bool(loader.get("num_workers")) and not loader.get("persistent_workers")
     advice: list[str] = []
+    if overhead_bound:
+        # Lightning restarts non-persistent workers at each epoch's start, outside the timed fetch.
+        workers = (f"the DataLoader's {loader['num_workers']} workers restart at every epoch "
+                   "(persistent_workers=False), which counts there: set persistent_workers=True; then "
+                   if restarting else "")
+        advice.append(f"host-bound: framework overhead is {o:.0%} of the step (callbacks' batch hooks, logging, "
+                      f"loop bookkeeping), more than compute ({c:.0%}) and data wait ({w:.0%}): {workers}lighten "
+                      "or thin out the per-batch work of callbacks and of the module's batch hooks, raise "
+                      "log_every_n_steps, or use a larger batch (fewer steps for the same data)")
     if host_bound:
         parts = []
         if on_device and w > 0:
@@ -180,8 +200,8 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any], stage: str = 
                       + (f"the input pipeline keeps up: speed now comes from the model ({model})"
                          if w < DATA_ADVICE_FRAC else
                          f"speed comes first from the model ({model}), then from the data advice above"))
-    if o >= OVERHEAD_ADVICE_FRAC:
-        if loader.get("num_workers") and not loader.get("persistent_workers"):
+    if o >= OVERHEAD_ADVICE_FRAC and not overhead_bound:  # host-bound on a CPU: said first
+        if restarting:
             # Lightning restarts the workers at each epoch's start, outside the timed fetch.
             advice.append(f"framework overhead is {o:.0%} of the step, and the DataLoader's "
                           f"{loader['num_workers']} workers restart at every epoch (persistent_workers=False), "

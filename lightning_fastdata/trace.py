@@ -8,8 +8,9 @@ global rank), one thread per lane (``tid``), one complete event (``"ph": "X"``, 
 * ``fetch``, ``transfer``: the loader's fetch and ``batch_to_device`` (timed from the end of
   the fetch, as the data wait is); ``augment``: the datamodule's ``on_after_batch_transfer``,
   which runs inside the transfer;
-* ``compute``: the step call (training_step, backward, optimizer step), less any fetch
-  inside it; on a GPU, the host's time in that call (launching the work);
+* ``compute``: the step call (training_step, backward, optimizer step), less any fetch or
+  transfer inside it (a ``dataloader_iter`` step: compute in pieces around its fetch); on a
+  GPU, the host's time in that call (launching the work);
 * ``overhead``: the rest of the step (callbacks' and the module's batch hooks, logging);
   fetch + transfer + compute + overhead tile the step;
 * on a GPU, ``gpu compute`` and ``gpu idle`` from the step's CUDA events, placed on the
@@ -112,6 +113,36 @@ class StepTrace:
         return {"path": str(self.written), "first_step": first, "last_step": last}
 
 
+def check_path(trace: str | os.PathLike) -> str:
+    """``trace`` with ``~`` expanded, or a ValueError naming it when no trace could ever be written there.
+
+    Checked when the profiler is built: the first write, at the first epoch end, would
+    otherwise fail with an unclear OS error, or write where nobody looks.
+    """
+    raw = os.fspath(trace)
+    path = os.path.expanduser(raw)
+    if not path:
+        raise ValueError("trace must be a file path, got '' (an empty path): name a file such as 'trace.json', or "
+                         "pass trace=None for no trace")
+    if path.endswith((os.sep, os.altsep or os.sep)):
+        raise ValueError(f"trace must be a file path, got {raw!r}, which ends in a separator (a directory): name a "
+                         f"file in it, e.g. {os.path.join(raw, 'trace.json')!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"trace must be a file path, got {raw!r}, an existing directory: name a file in it, e.g. "
+                         f"{os.path.join(raw, 'trace.json')!r}")
+    # The missing folders are created at the first write: the nearest one that exists must take them.
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"trace={raw!r} cannot be written: {ancestor} is a file, not a directory; choose a path "
+                         "under a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"trace={raw!r} cannot be written: this process may not write in the directory "
+                         f"{ancestor}; choose a writable location")
+    return path
+
+
 def _place_gpu(steps: list[TracedStep]) -> None:
     """Device spans on the host time line: device times relative to the first traced start event."""
     ref = next((s for s in steps if s.events is not None), None)
@@ -131,22 +162,32 @@ def _place_gpu(steps: list[TracedStep]) -> None:
 
 
 def host_spans(s: TracedStep) -> list[tuple[int, float, float]]:
-    """The host lanes of one step: step, fetch/transfer/augment, compute, and overhead filling the gaps."""
-    row = s.row
-    prev_end = s.end - row[STEP]
-    inner = sum(t1 - t0 for lane, t0, t1 in s.spans if lane in (FETCH, TRANSFER) and t0 >= s.start)
-    compute = row[COMPUTE] if s.events is None else (s.end - s.start) - inner
-    spans = [(STEP, prev_end, s.end), *s.spans, (COMPUTE, s.start, s.start + compute)]
-    # Overhead: what fetch, transfer and compute leave of the step.
-    covered = sorted((t0, t1) for lane, t0, t1 in spans if lane in (FETCH, TRANSFER, COMPUTE))
-    at = prev_end
-    for t0, t1 in covered:
-        if t0 > at:
-            spans.append((OVERHEAD, at, t0))
-        at = max(at, t1)
-    if s.end > at:
-        spans.append((OVERHEAD, at, s.end))
-    return spans
+    """The host lanes of one step: step, fetch/transfer/augment, compute, and overhead filling the gaps.
+
+    Compute is the step call less the fetches and transfers inside it (a ``dataloader_iter``
+    step fetches in the middle of its call): several pieces then, none overlapping a wait.
+    """
+    prev_end = s.end - s.row[STEP]
+    waits = [(t0, t1) for lane, t0, t1 in s.spans if lane in (FETCH, TRANSFER)]
+    compute = _less(s.start, s.end, waits)
+    # Overhead: what fetch, transfer and compute (the step call) leave of the step.
+    overhead = _less(prev_end, s.end, [*waits, (s.start, s.end)])
+    return [(STEP, prev_end, s.end), *s.spans, *((COMPUTE, t0, t1) for t0, t1 in compute),
+            *((OVERHEAD, t0, t1) for t0, t1 in overhead)]
+
+
+def _less(t0: float, t1: float, holes: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The interval ``[t0, t1]`` less ``holes``: the pieces left, in time order."""
+    pieces, at = [], t0
+    for h0, h1 in sorted(holes):
+        if at >= t1:
+            break
+        if h0 > at:
+            pieces.append((at, min(h0, t1)))
+        at = max(at, h1)
+    if t1 > at:
+        pieces.append((at, t1))
+    return pieces
 
 
 def chrome_trace(steps: Sequence[TracedStep], rank: int) -> dict[str, Any]:

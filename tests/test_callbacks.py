@@ -769,3 +769,75 @@ def test_persistent_validation_workers_draw_the_same_at_every_run_of_an_epoch(tm
     assert len(reference) == 4 and reference[0] == reference[1] and reference[2] == reference[3]
     assert reference[0] != reference[2]  # epochs still differ
     assert runs(True, 2) == reference
+
+
+# ---------------------------------------------------------------------- review fixes: trace paths and windows
+
+
+def test_a_fit_that_runs_no_step_of_the_trace_window_warns_and_leaves_no_older_trace(tmp_path):
+    # A fit shorter than the window's start wrote nothing and said nothing, and a second fit left
+    # the first one's trace.json in place while report()["trace"] was None.
+    from _timing import COMPUTE, FETCH, FakeClock
+
+    clock = FakeClock()
+    path = tmp_path / "trace.json"
+    cb = FastDataCallback(clock=clock, print_report=False, trace=path, trace_steps=(2, 3))
+    make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(COMPUTE, clock)), loader(40, 4, Spend(FETCH, clock)))
+    assert json.loads(path.read_text())["otherData"]["steps"] == [2, 4]
+    with pytest.warns(UserWarning, match=r"no training step in 2\.\.4 \(trace_steps=\(2, 3\)\) ran: this fit ran 2 "
+                                         r"training steps; the trace was not written to .*trace\.json"):
+        make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(COMPUTE, clock)),
+                                                   loader(8, 4, Spend(FETCH, clock)))
+    assert not path.exists()  # the first fit's trace is not left to be taken for this one's
+    assert cb.report()["trace"] is None and cb.report()["steps"] == 2
+
+
+def test_a_trace_without_profiling_is_refused():
+    with pytest.raises(ValueError, match=r"trace='t\.json' needs profile=True"):
+        FastDataCallback(profile=False, trace="t.json")
+
+
+@pytest.mark.parametrize("name, match", [
+    ("", r"trace must be a file path, got '' \(an empty path\)"),
+    ("traces/", r"trace must be a file path, got '.*traces/', which ends in a separator"),
+    ("a_file/trace.json", r"trace='.*a_file/trace\.json' cannot be written: .*a_file is a file, not a directory"),
+    ("a_file/deeper/trace.json", r"cannot be written: .*a_file is a file, not a directory"),
+])
+def test_a_trace_path_that_cannot_be_written_is_refused_at_construction(tmp_path, name, match):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match=match):
+        FastDataCallback(trace=f"{tmp_path}/{name}" if name else "")
+
+
+def test_a_trace_path_in_a_directory_this_process_cannot_write_is_refused(tmp_path, monkeypatch):
+    import os
+
+    # Faked: these tests may run as root, who may write anywhere.
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(ValueError, match=r"may not write in the directory .*; choose a writable location"):
+        FastDataCallback(trace=tmp_path / "new" / "trace.json")
+
+
+def test_a_trace_path_under_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # where a literal "~" folder was made
+    cb = FastDataCallback(trace="~/traces/t.json", trace_steps=(0, 2), print_report=False)
+    make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(0.0)), loader(8, 4, Spend(0.0)))
+    assert (tmp_path / "traces" / "t.json").exists() and not (tmp_path / "~").exists()
+    assert cb.report()["trace"]["path"] == str(tmp_path / "traces" / "t.json")
+
+
+def test_a_rank_above_zero_that_cannot_write_its_trace_says_so(tmp_path, monkeypatch):
+    # Rank 1's trace.rank1.json could not be written, and its warning went through rank_zero_warn:
+    # dropped on that rank, nobody was told. The rank is faked: this process plays rank 1.
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(L.Trainer, "global_rank", property(lambda self: 1))
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    (tmp_path / "trace.rank1.json").mkdir()  # stands in for any write failure of that rank
+    cb = FastDataCallback(trace=tmp_path / "trace.json", trace_steps=(0, 2), print_report=False)
+    with pytest.warns(UserWarning, match=r"rank 1 could not write the trace to .*trace\.rank1\.json: "
+                                         r".*training goes on without it"):
+        make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(0.0)), loader(8, 4, Spend(0.0)))
+    assert not (tmp_path / "trace.json").exists()

@@ -1134,7 +1134,8 @@ def test_a_validation_run_cut_short_frees_its_iteration_once_training_goes_on(tm
     dm = TinyDataModule(n=96, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy,
                         augment_ahead=1 if strategy == "device" else 0, num_workers=0 if strategy == "device" else 1,
                         persistent_workers=False, train_augment=_aug(), eval_augment=_aug())
-    trainer(tmp_path, max_steps=4, num_sanity_val_steps=2, limit_val_batches=3, callbacks=[Probe()]).fit(TinyModel(), dm)
+    t = trainer(tmp_path, max_steps=4, num_sanity_val_steps=2, limit_val_batches=3, callbacks=[Probe()])
+    t.fit(TinyModel(), dm)
     assert seen["open"] and not any(seen["open"])
     if strategy == "device":
         assert seen["threads"] == 1  # the training loader's

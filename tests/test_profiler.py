@@ -895,3 +895,69 @@ def test_ddp_reduction_keeps_whole_rows_of_the_rank_that_waited(monkeypatch):
     s = summarize(epoch)
     assert s["data_wait_frac"] + s["compute_frac"] + s["overhead_frac"] == pytest.approx(1.0)
     assert verdict_of(s)["verdict"] == "data-bound"
+
+
+# ---------------------------------------------------------------------- review fixes: trace tiling, CPU host-bound
+
+
+class _IterAround(SpendingModel):
+    """A ``dataloader_iter`` step that computes before and after it fetches (the fetch falls inside the call)."""
+
+    def training_step(self, dataloader_iter):
+        self.step()
+        batch, _, _ = next(dataloader_iter)
+        self.step()
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_trace_of_a_dataloader_iter_step_tiles_it_without_overlap(tmp_path, monkeypatch, cuda):
+    # The compute was drawn as one block from the call's start, over the fetch inside it, and the
+    # gap filler then invented an overhead as long as the fetch: the spans summed to more than the step.
+    clock = FakeClock()
+    path = tmp_path / "trace.json"
+    if cuda:
+        _simulate_cuda(monkeypatch, clock, lag=2)
+    cls = _OnDevice if cuda else DataWaitProfiler
+    prof = cls(clock=clock, print_report=False, trace=path, trace_steps=(1, 3))
+    trainer = make_trainer(tmp_path, callbacks=[SpendBeforeBatch(Spend(OVERHEAD, clock)), prof],
+                           limit_train_batches=5)
+    trainer.fit(_IterAround(Spend(COMPUTE / 2, clock)), loader(32, 4, Spend(FETCH, clock)))
+    _, by_step = _spans(json.load(open(path)))
+    assert sorted(by_step) == [1, 2, 3]
+    us = 1e6
+    for spans in by_step.values():
+        (step,) = spans["step"]
+        parts = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for k in ("fetch", "transfer", "compute", "overhead")
+                       for e in spans.get(k, []))
+        assert [name for _, _, name in parts] == ["overhead", "compute", "fetch", "compute"]
+        for (_, end, _), (start, _, _) in zip(parts, parts[1:], strict=False):
+            assert start == pytest.approx(end, abs=1e-6)  # back to back: no overlap, no gap
+        assert parts[0][0] == pytest.approx(step["ts"]) and parts[-1][1] == pytest.approx(step["ts"] + step["dur"])
+        assert [e["dur"] for e in spans["compute"]] == [COMPUTE / 2 * us] * 2
+        assert [e["dur"] for e in spans["fetch"]] == [FETCH * us]
+        assert [e["dur"] for e in spans["overhead"]] == [OVERHEAD * us]
+
+
+def test_framework_overhead_larger_than_data_and_compute_is_host_bound_on_a_cpu(tmp_path):
+    # A callback spending 4 ms per batch (84% of the step) was "compute-bound (11%)", with
+    # "the input pipeline keeps up: speed now comes from the model".
+    prof, _, _ = _fit_fake(tmp_path, overhead=8 * COMPUTE, epochs=1, val=False)
+    rep = prof.report()
+    assert rep["verdict"] == "host-bound" and rep["share"] == rep["overhead_frac"] > 0.5
+    assert rep["advice"][0].startswith(f"host-bound: framework overhead is {rep['overhead_frac']:.0%} of the step")
+    assert "log_every_n_steps" in rep["advice"][0] and "a larger batch" in rep["advice"][0]
+    assert not any(a.startswith(("compute-bound", "framework overhead is")) for a in rep["advice"])
+    assert f"verdict: host-bound ({rep['overhead_frac']:.0%})" in format_report(rep)
+    # With a real data wait too (22%, overhead 70%): host-bound first, the loader advice after it.
+    s = _summary(wait=0.0013, compute=0.0005, overhead=0.0042)
+    assert s["verdict"] == "host-bound" and s["share"] == pytest.approx(0.7)
+    advice = advise(s, {"cores": 2, "loader": {"kind": "dataloader", "num_workers": 0}})
+    assert advice[0].startswith("host-bound: framework overhead is 70%") and "num_workers=1" in advice[1]
+    # Restarting workers land in the overhead: their fix leads.
+    restarting = advise(s, {"cores": 4, "loader": {"kind": "dataloader", "num_workers": 2}})
+    assert "set persistent_workers=True" in restarting[0]
+    # Below the overhead threshold, or not the largest part, the verdict is unchanged.
+    assert _summary(0.0, 0.01, 0.01)["verdict"] == "compute-bound"
+    assert _summary(0.03, 0.01, 0.02)["verdict"] == "data-bound"
