@@ -635,8 +635,8 @@ def jpeg(results: Path) -> str:
                     f"whole {epochs}-epoch run, with the cache build: seconds vs the plain side's, and speed-up"],
                    ["---", "---:", "---:", "---:", "---:"], rows)
     lines += ["", f"The whole run is {epochs} epochs of {n:,} images at each row's images/s (the warm-up batch left "
-                  "out on both sides) plus its one-time work: the cache build, paid by the first run at each "
-                  "`max_side` (the next one reuses the cache and adds only its own set-up)"
+                  "out on both sides) plus its one-time work: every fastdata row is charged the one cache build at "
+                  "its `max_side` (also a row that reused the cache another row built) plus its own set-up"
                   + (", and shrinking the files for `plain_256`" if small else "")
                   + "; the plain loader's worker start-up is in neither side."]
     if not small:

@@ -446,6 +446,23 @@ def _padding_sides(padding: tuple[int, ...], sd: int) -> tuple[tuple[int, ...], 
                      "give an int or (d, h, w), each padded on both sides of its axis")
 
 
+def refuse_offsets_outside(op: str, offset: torch.Tensor, size: Sequence[int], inputs: Sequence[Sequence[int]],
+                           what: str) -> None:
+    """Refuse window corners ``offset`` (N, sd) given to ``op.apply`` that put a ``size``
+    window past sample i's input of spatial size ``inputs[i]`` (on the CPU): the cut reads
+    runs of the flat batch and would silently take the next row's or sample's pixels."""
+    highs = torch.tensor([[p - s for p, s in zip(full, size, strict=True)] for full in inputs], dtype=torch.int64)
+    if offset.shape != highs.shape:
+        raise ValueError(f"{op}.apply: offset has shape {tuple(offset.shape)}, expected {tuple(highs.shape)} "
+                         "(one corner per sample and spatial dim)")
+    bad = ((offset < 0) | (offset > highs)).any(1).nonzero().view(-1)
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"{op}.apply: sample {i}'s offset {offset[i].tolist()} puts its {list(size)} window past "
+                         f"{what} (offsets 0 to {highs[i].tolist()}); draw the parameters for this batch: "
+                         "op.draw(x, keys)")
+
+
 class RandomCrop(BatchTransform):
     """Crop each sample at its own random position, after optional constant padding.
 
@@ -546,19 +563,10 @@ class RandomCrop(BatchTransform):
             return
         if batch.ragged:
             size, _, padded = self._list_geometry(batch)
-            highs = torch.tensor([[p - s for p, s in zip(full, size, strict=True)] for full in padded])
         else:
             size, _, _, full = self._geometry(batch)
-            highs = torch.tensor([p - s for p, s in zip(full, size, strict=True)]).expand(len(batch), -1)
-        if offset.shape != highs.shape:
-            raise ValueError(f"RandomCrop.apply: offset has shape {tuple(offset.shape)}, expected {tuple(highs.shape)} "
-                             "(one corner per sample and spatial dim)")
-        bad = ((offset < 0) | (offset > highs)).any(1).nonzero().view(-1)
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(f"RandomCrop.apply: sample {i}'s offset {offset[i].tolist()} puts its {list(size)} window "
-                             f"past its padded input (offsets 0 to {highs[i].tolist()}); draw the parameters for this "
-                             "batch: op.draw(x, keys)")
+            padded = [full] * len(batch)
+        refuse_offsets_outside("RandomCrop", offset, size, padded, "its padded input")
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
                     flip_dims: Sequence[int] = (-1,), image_cut: ImageCut | None = None) -> Batch:
@@ -748,6 +756,15 @@ class RandomCropByLabel(BatchTransform):
         offset = torch.minimum((center - const(half, flat.device, torch.int64)).clamp_(min=0),
                                const(top, flat.device, torch.int64))
         return {"center": center, "offset": offset, "foreground": use_fg}
+
+    def check_params(self, batch: Batch, params: dict[str, Any]) -> None:
+        """Each window inside its input: 0 <= offset <= input - size per axis (CPU)."""
+        super().check_params(batch, params)
+        offset = params.get("offset")
+        if not isinstance(offset, torch.Tensor) or not host_shortcuts(offset.device) or not len(batch):
+            return
+        spatial = batch.spatial_size if batch.ragged else [batch.spatial_size] * len(batch)
+        refuse_offsets_outside("RandomCropByLabel", offset, self.window_size(batch), spatial, "its input")
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
                     flip_dims: Sequence[int] = (-1,), image_cut: ImageCut | None = None,

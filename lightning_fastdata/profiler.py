@@ -247,7 +247,7 @@ class DataWaitProfiler(Callback):
             try:
                 old.written.unlink(missing_ok=True)
             except OSError as e:
-                warnings.warn(f"{type(self).__name__}: could not remove {old.written}, the trace of an earlier fit: "
+                warnings.warn(f"lightning_fastdata: could not remove {old.written}, the trace of an earlier fit: "
                               f"{e}; it is not this fit's", stacklevel=2)
         self._tracer = StepTrace(self.trace, *self.trace_steps)  # type: ignore[arg-type]
 
@@ -419,7 +419,7 @@ class DataWaitProfiler(Callback):
                 # would drop its warning, and the file would just be missing).
                 self._warned.add("trace")
                 who = f"rank {rank} " if rank or trainer.world_size > 1 else ""
-                warnings.warn(f"{type(self).__name__}: {who}could not write the trace to {tracer.rank_path(rank)}: "
+                warnings.warn(f"lightning_fastdata: {who}could not write the trace to {tracer.rank_path(rank)}: "
                               f"{e}; training goes on without it", stacklevel=2)
             return
         if written is not None and tracer.complete:
@@ -433,7 +433,7 @@ class DataWaitProfiler(Callback):
         if tracer is None or tracer.steps:
             return
         first, last = tracer.first, tracer.first + tracer.count - 1
-        rank_zero_warn(f"{type(self).__name__}: no training step in {first}..{last} (trace_steps={self.trace_steps}) "
+        rank_zero_warn(f"lightning_fastdata: no training step in {first}..{last} (trace_steps={self.trace_steps}) "
                        f"ran: this fit ran {tracer.seen} training steps; the trace was not written to {tracer.path}. "
                        "Start the window at a step the fit reaches (trace_steps=(first, count)).")
 

@@ -155,11 +155,15 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any], stage: str = 
                 # with augment_ahead); the transfer holds the batch hooks (and an augmentation a
                 # model hook before the transfer keeps there).
                 fetch_ms = summary["fetch_ms_mean"]
+                # augment_ahead only where it is off and pays: on a CPU run the background thread
+                # competes with the step for the cores and the GIL (docs/placement.md).
+                ahead = (", or augment_ahead=1 to prepare the next batch during the step"
+                         if cuda and not loader.get("ahead") else "")
                 advice.append(f"{lead}, with the data already on the device: the wait is the batch gather and "
                               f"on-device augmentation, {wait_ms:.1f} ms a step ({fetch_ms:.1f} in the loader's "
                               f"fetch, where the data module gathers and augments, {transfer_ms:.1f} in the "
-                              f"transfer and batch hooks): use a lighter {augment}, a larger batch, or "
-                              "augment_ahead=1 to prepare the next batch during the step")
+                              f"transfer and batch hooks): use a lighter {augment}"
+                              + (f", a larger batch{ahead}" if ahead else " or a larger batch"))
         elif strategy in ("workers", "chunked") and store and resources is not None:
             vf = float(context.get("vram_fraction") or 0.6)
             what = "GPU" if resources.device_type == "cuda" else "device"
@@ -269,7 +273,7 @@ def loader_info(loader: Any) -> dict[str, Any]:
         return {}
     kind = getattr(getattr(loader, "source", None), "kind", None)
     if kind in ("device", "chunked"):  # the index loader over a device or chunked source
-        return {"kind": kind}
+        return {"kind": kind, "ahead": int(getattr(loader, "ahead", 0) or 0)}
     dl = getattr(loader, "dataloader", loader)
     if not hasattr(dl, "num_workers"):
         return {"kind": type(loader).__name__}

@@ -689,6 +689,12 @@ def test_apply_refuses_parameters_that_do_not_fit_the_batch(dtype):
     with pytest.raises(ValueError, match=r"RandomCrop.apply: parameter 'offset' has 3 rows for a batch of 2 samples"):
         crop.apply(x, **three)
     assert crop.apply(x, offset=torch.tensor([[0, 4], [4, 0]])).shape == (2, 1, 4, 4)  # in range: accepted
+    by_label = A.RandomCropByLabel(4, label="image")  # offsets 0 .. 2 on each axis of the 6x6 input
+    with pytest.raises(ValueError, match=r"RandomCropByLabel.apply: sample 0's offset \[0, 5\] puts its \[4, 4\] "
+                                         r"window past its input \(offsets 0 to \[2, 2\]\)"):
+        by_label.apply(x, offset=torch.tensor([[0, 5], [0, 0]]))
+    with pytest.raises(ValueError, match=r"RandomCropByLabel.apply: sample 1's offset \[-1, 0\]"):
+        by_label.apply(x, offset=torch.tensor([[0, 0], [-1, 0]]))
     rrc = A.RandomResizedCrop(4)
     box = dict(top=torch.tensor([3, 0]), left=torch.tensor([0, 0]), height=torch.tensor([6, 6]),
                width=torch.tensor([6, 6]))

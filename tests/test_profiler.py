@@ -314,6 +314,12 @@ def test_advice_for_data_on_the_device_points_at_augmentation():
     val = advise(_summary(0.02, 0.01, 0.0, transfer=0.015), {"plan": plan, "cores": 8, "device_type": "cuda",
                                                               "loader": {"kind": "device"}}, stage="validate")
     assert "use a lighter eval_augment" in val[0]  # validation's cost is eval_augment's
+    # Never advised where it is on already, nor on a CPU run (the thread competes with the step
+    # for the cores and the GIL): it was, on every data-bound run.
+    for device_type, info in (("cuda", {"kind": "device", "ahead": 1}), ("cpu", {"kind": "device", "ahead": 0})):
+        advice = advise(_summary(0.02, 0.01, 0.0, transfer=0.015), {"plan": plan, "cores": 8,
+                                                                     "device_type": device_type, "loader": info})
+        assert advice[0].endswith("use a lighter train_augment or a larger batch"), advice[0]
 
 
 def test_advice_for_a_wait_in_the_transfer_does_not_blame_the_workers():
