@@ -860,7 +860,10 @@ class OptimizedDataModule(L.LightningDataModule):
                     f"samples, the batch has {n}: each sample's augmentation is keyed by its index, so a hook "
                     "that drops or adds samples must run after the augmentation; move it to on_after_batch_transfer"
                 )
-        return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index)
+        out = FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, batch.prepared)
+        # Still the loader's batch: its loader counts it as used (resume), its split and pending state hold.
+        out.pending, out.split, out.loader = batch.pending, batch.split, batch.loader
+        return out
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Run the LightningModule's own ``on_before_batch_transfer`` on the sample structure."""

@@ -161,11 +161,28 @@ class _FailsOnce(TinyModel):
         raise RuntimeError("the step failed")
 
 
+class _Hooked(TinyModel):
+    """Has its own (identity) hook before the transfer: the data module runs it on the structure."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+class _HookedFailsOnce(_Hooked):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("the step failed")
+
+
 @pytest.mark.parametrize("strategy", ["device", "workers"])
-def test_a_checkpoint_saved_as_a_step_fails_resumes_at_that_batch(tmp_path, strategy):
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_checkpoint_saved_as_a_step_fails_resumes_at_that_batch(tmp_path, strategy, hooked):
     """OnExceptionCheckpoint saves while the step is in flight: its batch was transferred but never
-    trained on, so the resume must replay it (as Lightning's own progress does), not skip it."""
+    trained on, so the resume must replay it (as Lightning's own progress does), not skip it.
+    With a model hook before the transfer, the batch rebuilt around the hook's output lost its
+    loader, was not counted, and the resume skipped it."""
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    model, failing = (_Hooked, _HookedFailsOnce) if hooked else (TinyModel, _FailsOnce)
 
     cache = str(tmp_path / "c")
 
@@ -174,13 +191,13 @@ def test_a_checkpoint_saved_as_a_step_fails_resumes_at_that_batch(tmp_path, stra
                               strategy=strategy, num_workers=0)
 
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    full = TinyModel(record=True)
+    full = model(record=True)
     trainer(tmp_path, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True).fit(full, dm())
     crash = OnExceptionCheckpoint(dirpath=tmp_path / "exc", filename="crash")
     with pytest.raises(RuntimeError, match="the step failed"):
         trainer(tmp_path, max_epochs=1, callbacks=[crash], enable_checkpointing=True).fit(
-            _FailsOnce(), dm(), ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"))
-    resumed = TinyModel(record=True)
+            failing(), dm(), ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"))
+    resumed = model(record=True)
     trainer(tmp_path, max_epochs=1).fit(resumed, dm(), ckpt_path=str(tmp_path / "exc" / "crash.ckpt"))
     assert len(resumed.seen) == 5
     for (x0, y0), (x1, y1) in zip(full.seen[3:], resumed.seen, strict=True):
