@@ -64,6 +64,8 @@ _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",
 _AUTO = "auto"
 _KINDS = ("image", "mask", "other")
 #: The LightningModule hooks that see batches; the datamodule owns them and calls the model's.
+#: The tag of loader iterations started by a fit's validation run (see ``_close_evaluations``).
+_VALIDATION_IN_FIT = "validation in a fit"
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 #: What a checkpoint's data plan must match for a resumed run to see the batches it would have seen.
 _PLAN_KEYS = ("strategy", "chunk_mode", "seed", "shuffle", "drop_last", "batch_size", "fingerprints")
@@ -761,6 +763,8 @@ class OptimizedDataModule(L.LightningDataModule):
             made.append((request, loader))
             if split == "predict":
                 loader.index_record = batch_index_record(loader)  # batch_indices for prediction writers
+            if hasattr(loader, "iteration_tag"):
+                loader.iteration_tag = self._validation_in_fit
             if split == "train" and hasattr(loader, "steps_in_flight"):
                 loader.steps_in_flight = self._train_steps_in_flight
                 loader.epoch_batches = self._train_epoch_batches
@@ -933,14 +937,27 @@ class OptimizedDataModule(L.LightningDataModule):
         hook = self._model_hook("on_after_batch_transfer")
         return hook(out, dataloader_idx) if hook is not None else out
 
+    def _validation_in_fit(self) -> str | None:
+        """The tag of an iteration a fit's validation run (or sanity check) starts, else None."""
+        trainer = self.trainer
+        if trainer is not None and trainer.state.fn == "fit" and (trainer.sanity_checking or trainer.validating):
+            return _VALIDATION_IN_FIT
+        return None
+
     def _close_evaluations(self) -> None:
-        """Training goes on: a validation run is over, and one cut short (the sanity check,
-        ``limit_val_batches``) left its iteration open, which Lightning keeps until the next
-        run; its background thread and the batches it made ahead (device memory on a GPU), or
-        its worker processes, are freed now."""
-        for _, loader in self._made.get("val", ()):
-            if getattr(loader, "active", 0):
-                loader.close_iterations()
+        """Training goes on in a fit: its validation runs are over, and one cut short (the
+        sanity check, ``limit_val_batches``) left its iteration open, which Lightning keeps until
+        the next run; its background thread and the batches it made ahead (device memory on a
+        GPU), or its worker processes, are freed now. Only iterations a validation run started:
+        a loader of another split iterated in training (a val loader among the training
+        loaders, a callback's own evaluation) is never cut."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit" or not trainer.training:
+            return
+        for made in self._made.values():
+            for _, loader in made:
+                if getattr(loader, "active", 0):
+                    loader.close_iterations(_VALIDATION_IN_FIT)
 
     def _finish(self, batch: FastBatch, split: str, augment: BatchTransform | None) -> Any:
         """A batch of this module's loaders in the sample's structure, augmented unless its loader did.

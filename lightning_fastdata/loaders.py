@@ -316,8 +316,12 @@ class _Loader:
         self.order = order
         #: Iterations under way (a generator suspended mid-epoch counts until it is closed).
         self.active = 0
-        #: Those iterations, to close one its loop left unfinished (see ``close_iterations``).
-        self._live: weakref.WeakSet = weakref.WeakSet()
+        #: Those iterations, each with the tag ``iteration_tag`` gave when it started, to close
+        #: one its loop left unfinished (see ``close_iterations``).
+        self._live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        #: Set by the data module: what an iteration starting now is for (a Trainer's validation
+        #: run inside a fit), or None.
+        self.iteration_tag: Callable[[], Any] | None = None
         #: Set by the data module: its augmentation runs after the transfer, not in this loader;
         #: the batches handed out say so (``FastBatch.pending``).
         self.augmented_later = False
@@ -348,19 +352,21 @@ class _Loader:
 
     def __iter__(self) -> Iterator[FastBatch]:
         it = self._iterate()
-        self._live.add(it)
+        self._live[it] = self.iteration_tag() if self.iteration_tag is not None else None
         return it
 
     def _iterate(self) -> Iterator[FastBatch]:
         raise NotImplementedError
 
-    def close_iterations(self) -> None:
-        """Close the iterations under way: the background thread and the batches it holds ready
-        (``ahead``), or the workers of a non-persistent loader, are freed now, not when the
-        loop that abandoned the iteration starts again (Lightning keeps a validation run's
-        iterator, cut short by ``limit_val_batches`` or the sanity check, until the next one)."""
-        for it in list(self._live):
-            it.close()
+    def close_iterations(self, tag: Any = None) -> None:
+        """Close the iterations under way that started with ``tag`` (every one when None): the
+        background thread and the batches it holds ready (``ahead``), or the workers of a
+        non-persistent loader, are freed now, not when the loop that abandoned the iteration
+        starts again (Lightning keeps a validation run's iterator, cut short by
+        ``limit_val_batches`` or the sanity check, until the next one)."""
+        for it, started in list(self._live.items()):
+            if tag is None or started == tag:
+                it.close()
 
     @property
     def batch_sampler(self) -> Any:

@@ -1156,3 +1156,37 @@ def test_a_validation_run_cut_short_frees_its_iteration_once_training_goes_on(tm
     assert seen["open"] and not any(seen["open"])
     if strategy == "device":
         assert seen["threads"] == 1  # the training loader's
+
+
+class _ValAmongTrain(TinyDataModule):
+    """Trains on a labelled loader and the val loader side by side (a semi-supervised set-up)."""
+
+    def train_dataloader(self):
+        return {"lab": super().train_dataloader(), "unlab": self.val_dataloader()}
+
+
+class _SeesUnlabelled(TinyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unlab: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.unlab.append(batch["unlab"][0].clone())
+        return super().training_step(batch["lab"], batch_idx)
+
+
+@pytest.mark.parametrize("strategy,ahead", [("device", 0), ("device", 1), ("workers", 0)])
+def test_a_val_loader_among_the_training_loaders_is_never_cut_by_the_training(tmp_path, strategy, ahead):
+    """Closing what a cut-short validation run left open closed every open iteration of the val
+    loader at each training batch, also the one the training itself was reading: its batch 0
+    came back at every step (8 of 8 steps). Only iterations a validation run started are closed."""
+    dm = _ValAmongTrain(n=64, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy,
+                        augment_ahead=ahead, num_workers=0, shuffle=False)
+    model = _SeesUnlabelled()
+    trainer(tmp_path, max_epochs=1, num_sanity_val_steps=2, limit_val_batches=2).fit(model, dm)
+    dm.setup("validate")
+    want = [b[0] for b in (dm.on_after_batch_transfer(dm.transfer_batch_to_device(b, torch.device("cpu"), 0), 0)
+                           for b in dm.val_dataloader())]
+    assert len(model.unlab) == 8
+    for got, expected in zip(model.unlab, want, strict=True):
+        assert torch.equal(got, expected)
