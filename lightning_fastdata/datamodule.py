@@ -11,13 +11,12 @@ their samples; ``on_after_batch_transfer`` augments each sample on the device, k
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import os
-import types
+import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import lightning as L
 import torch
@@ -98,23 +97,47 @@ def _check_auto_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
 
 
-def _given_by_caller(obj: object, frame: types.FrameType | None, names: Sequence[str]) -> set[str]:
-    """Which of ``names`` the code constructing ``obj`` passed to its outermost ``__init__``
-    (the frames walked as Lightning's ``save_hyperparameters`` walks them): by name, or in
-    its ``**kwargs``. A subclass that passes one to ``super().__init__`` itself did not get it."""
-    outer = None
-    while frame is not None and frame.f_code.co_name == "__init__" and frame.f_code.co_argcount \
-            and frame.f_locals.get(frame.f_code.co_varnames[0]) is obj:
-        outer, frame = frame, frame.f_back
-    if outer is None:
-        return set(names)
-    code = outer.f_code
-    named = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-    given = {n for n in names if n in named}
-    if code.co_flags & inspect.CO_VARKEYWORDS:
-        kwargs = code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)]
-        given |= {n for n in names if n in (outer.f_locals.get(kwargs) or {})}
-    return given
+#: The init arguments a checkpoint keeps as text (their repr): they cannot be rebuilt from it.
+_AUGMENTS = ("train_augment", "eval_augment")
+
+
+def _raise_with_augments_fix(cls: type, e: BaseException, kwargs: dict[str, Any]) -> NoReturn:
+    """Raise ``e``, from loading a checkpoint of ``cls``, told that the augmentations it keeps
+    as text must be passed again (a ``TypeError`` saying so when ``e`` names one of them)."""
+    def fix(names: list[str]) -> str:
+        given = ", ".join(f"{k}=..." for k in names)
+        return (f"{cls.__name__}.load_from_checkpoint: the checkpoint keeps {' and '.join(names)} as text (the "
+                f"augmentation's repr), which cannot be rebuilt; pass it again: "
+                f"{cls.__name__}.load_from_checkpoint(path, {given})")
+
+    missing = [k for k in _AUGMENTS if k not in kwargs]
+    named = [k for k in missing if k in str(e)]
+    if named:
+        raise TypeError(fix(named)) from e
+    if missing:
+        # A subclass that takes the text and builds on it fails with its own words.
+        e.add_note(f"lightning_fastdata: if this comes from the text the checkpoint keeps: {fix(missing)}")
+    raise e
+
+
+def _load_without(cls: type, name: str, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` with the saved ``name`` left out of the arguments: through a
+    subclass whose ``__init__`` drops it (Lightning passes every saved hyperparameter), whose
+    instance then becomes a ``cls``."""
+    dropped = {name, *getattr(cls, "_dropped_on_load", ())}
+    base = getattr(cls, "_loading_base", cls)
+
+    def __init__(self: Any, *a: Any, **kw: Any) -> None:
+        for k in dropped:
+            kw.pop(k, None)
+        base.__init__(self, *a, **kw)
+
+    loading = type(base.__name__, (base,), {"__init__": __init__, "__qualname__": base.__qualname__,
+                                             "__module__": base.__module__, "_dropped_on_load": dropped,
+                                             "_loading_base": base})
+    obj = loading.load_from_checkpoint(checkpoint_path, *args, **kwargs)
+    obj.__class__ = base
+    return obj
 
 
 class OptimizedDataModule(L.LightningDataModule):
@@ -314,13 +337,8 @@ class OptimizedDataModule(L.LightningDataModule):
         # dm.hparams shows the whole configuration (the subclass's arguments included);
         # augmentations by their repr, so checkpoints and loggers get text, not objects.
         self.save_hyperparameters(ignore=["train_augment", "eval_augment"], logger=False)
-        # Not one a subclass set itself (not the caller's, not the default None): the subclass
-        # is rebuilt from its own arguments, and the repr passed back by load_from_checkpoint
-        # would clash with the one it passes.
-        given = _given_by_caller(self, inspect.currentframe(), ("train_augment", "eval_augment"))
-        for name, value in (("train_augment", train_augment), ("eval_augment", eval_augment)):
-            if name in given or value is None:
-                self.hparams[name] = repr(value) if value is not None else None
+        self.hparams["train_augment"] = repr(train_augment) if train_augment is not None else None
+        self.hparams["eval_augment"] = repr(eval_augment) if eval_augment is not None else None
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -332,16 +350,18 @@ class OptimizedDataModule(L.LightningDataModule):
         """
         try:
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        except TypeError as e:
+            clash = re.search(r"multiple values for keyword argument '(\w+)'", str(e))
+            if clash is None or clash.group(1) not in _AUGMENTS or clash.group(1) in kwargs:
+                _raise_with_augments_fix(cls, e, kwargs)
+            name = clash.group(1)
         except Exception as e:
-            missing = [k for k in ("train_augment", "eval_augment") if k not in kwargs and k in str(e)]
-            if not missing or "multiple values for keyword argument" in str(e):
-                # (a subclass that sets an augmentation itself: passing it again cannot help)
-                raise
-            given = ", ".join(f"{k}=..." for k in missing)
-            raise TypeError(
-                f"{cls.__name__}.load_from_checkpoint: the checkpoint keeps {' and '.join(missing)} as text (the "
-                f"augmentation's repr), which cannot be rebuilt; pass it again: "
-                f"{cls.__name__}.load_from_checkpoint(path, {given})") from e
+            _raise_with_augments_fix(cls, e, kwargs)
+        # A subclass that passes this augmentation to super().__init__ itself: its own arguments
+        # rebuild it, and the saved text must not be passed back next to it. Retried outside the
+        # handler: a second clash raised while handling the first comes out of CPython 3.11 as
+        # a bare KeyError.
+        return _load_without(cls, name, checkpoint_path, *args, **kwargs)
 
     # ------------------------------------------------------------------ user hooks
 

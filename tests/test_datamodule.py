@@ -585,25 +585,47 @@ class _OwnAugment(TinyDataModule):
     """Sets its augmentation itself, from an argument of its own."""
 
     def __init__(self, strength: int = 1, **kwargs) -> None:
-        super().__init__(train_augment=A.Compose([A.RandomHorizontalFlip()] * strength), **kwargs)
+        super().__init__(train_augment=A.Compose([A.RandomHorizontalFlip()] * strength),
+                         eval_augment=A.RandomVerticalFlip(), **kwargs)
         self.strength = strength
+
+
+class _ExtendsAugment(TinyDataModule):
+    """Takes the caller's augmentation out of its kwargs and builds on it."""
+
+    def __init__(self, **kwargs) -> None:
+        user = kwargs.pop("train_augment", None)
+        super().__init__(train_augment=A.Compose([user, A.RandomVerticalFlip()]), **kwargs)
 
 
 def test_a_module_that_sets_its_own_augmentation_loads_from_its_checkpoint(tmp_path):
     """A subclass that passes ``train_augment`` itself could not be loaded: the checkpoint's
     repr of it was passed back with the subclass's own ("got multiple values for keyword
-    argument 'train_augment'"). Its own arguments rebuild it; a repr it made is not saved."""
+    argument 'train_augment'"). Its own arguments rebuild it (the repr stays in hparams for
+    the loggers); one that builds on the caller's gets it again, or says to pass it."""
     dm = _OwnAugment(strength=2, n=16, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, seed=5)
-    assert "train_augment" not in dm.hparams and dm.hparams["strength"] == 2
+    assert dm.hparams["train_augment"] == repr(dm.train_augment) and dm.hparams["strength"] == 2
     t = trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
     t.fit(TinyModel(), dm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again = _OwnAugment.load_from_checkpoint(t.checkpoint_callback.best_model_path)
     assert again.strength == 2 and again.seed == 5 and repr(again.train_augment) == repr(dm.train_augment)
-    # given by the caller, through the subclass's **kwargs, the repr is saved as before
-    given = TinyDataModule(n=16, cache_dir=str(tmp_path / "c"), device="cpu", train_augment=A.RandomHorizontalFlip())
-    assert given.hparams["train_augment"] == repr(A.RandomHorizontalFlip())
+    assert type(again) is _OwnAugment and repr(again.eval_augment) == repr(dm.eval_augment)
+    crop = A.RandomCrop(8, padding=1)
+    ext = _ExtendsAugment(n=16, batch_size=8, cache_dir=str(tmp_path / "c2"), device="cpu", val=False,
+                          train_augment=crop)
+    t = trainer(tmp_path / "t2", max_epochs=1, enable_checkpointing=True)
+    t.fit(TinyModel(), ext)
+    path = t.checkpoint_callback.best_model_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception) as raised:  # the subclass's own words, and the fix
+            _ExtendsAugment.load_from_checkpoint(path)
+        assert "pass it again: _ExtendsAugment.load_from_checkpoint(path, train_augment=..., eval_augment=...)" in (
+            str(raised.value) + " ".join(getattr(raised.value, "__notes__", [])))
+        again = _ExtendsAugment.load_from_checkpoint(path, train_augment=crop)
+    assert repr(again.train_augment) == repr(ext.train_augment)
 
 
 def test_a_measured_num_workers_is_measured_again_on_a_test_after_a_fit(tmp_path):
