@@ -486,6 +486,8 @@ class BatchTransform:
         self.check_params(batch, params)
         if batch.ragged and not self.lists:
             out = per_sample(self, batch, params)
+        elif not batch.ragged and len(batch) == 0:
+            out = run_empty(self, batch)  # as the op itself does: no sample, nothing to apply
         else:
             out = self.apply_batch(batch, **params)
         return out if name is None else out.fields[name]

@@ -702,3 +702,16 @@ def test_apply_refuses_parameters_that_do_not_fit_the_batch(dtype):
                                          r"width=6\) is not inside its \(6, 6\) image"):
         rrc.apply(x, **box)
     assert rrc.apply(x, **rrc.draw(x, keys(2))).shape == (2, 1, 4, 4)
+
+
+@pytest.mark.parametrize("op", [A.ColorJitter(0.3, 0.3, 0.3), A.Normalize([0.5] * 3, [0.2] * 3), A.RandomResizedCrop(6),
+                                A.RandomRotation(20), A.RandomErasing(p=1.0), A.RandomCrop(6, padding=2)],
+                         ids=lambda op: type(op).__name__)
+def test_draw_then_apply_on_a_batch_of_no_samples_equals_the_op(op):
+    """``op(x, keys)`` took a batch of 0 samples; ``op.apply(x, **op.draw(x, keys))`` failed for
+    several ops (IndexError, "cannot reshape tensor of 0 elements")."""
+    x = torch.zeros(0, 3, 8, 9, dtype=torch.uint8)
+    k = SampleKeys(0, 0, torch.arange(0))
+    want = op(x, k)
+    got = op.apply(x, **op.draw(x, k))
+    assert got.shape == want.shape and got.dtype == want.dtype
