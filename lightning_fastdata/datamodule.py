@@ -25,7 +25,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
+from lightning_fastdata._lightning import (
+    batch_index_record,
+    load_without,
+    quiet_shared_hook_warnings,
+    training_steps_in_flight,
+)
 from lightning_fastdata.augment import Batch, BatchTransform, starts_with_crop
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
@@ -118,26 +123,6 @@ def _raise_with_augments_fix(cls: type, e: BaseException, kwargs: dict[str, Any]
         # A subclass that takes the text and builds on it fails with its own words.
         e.add_note(f"lightning_fastdata: if this comes from the text the checkpoint keeps: {fix(missing)}")
     raise e
-
-
-def _load_without(cls: type, name: str, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint`` with the saved ``name`` left out of the arguments: through a
-    subclass whose ``__init__`` drops it (Lightning passes every saved hyperparameter), whose
-    instance then becomes a ``cls``."""
-    dropped = {name, *getattr(cls, "_dropped_on_load", ())}
-    base = getattr(cls, "_loading_base", cls)
-
-    def __init__(self: Any, *a: Any, **kw: Any) -> None:
-        for k in dropped:
-            kw.pop(k, None)
-        base.__init__(self, *a, **kw)
-
-    loading = type(base.__name__, (base,), {"__init__": __init__, "__qualname__": base.__qualname__,
-                                             "__module__": base.__module__, "_dropped_on_load": dropped,
-                                             "_loading_base": base})
-    obj = loading.load_from_checkpoint(checkpoint_path, *args, **kwargs)
-    obj.__class__ = base
-    return obj
 
 
 class OptimizedDataModule(L.LightningDataModule):
@@ -361,7 +346,7 @@ class OptimizedDataModule(L.LightningDataModule):
         # rebuild it, and the saved text must not be passed back next to it. Retried outside the
         # handler: a second clash raised while handling the first comes out of CPython 3.11 as
         # a bare KeyError.
-        return _load_without(cls, name, checkpoint_path, *args, **kwargs)
+        return load_without(cls, name, checkpoint_path, *args, **kwargs)
 
     # ------------------------------------------------------------------ user hooks
 
