@@ -379,32 +379,6 @@ def reclass_sampler(sampler: Any, cls: type) -> None:
     sampler.__class__ = cls
 
 
-def load_without(cls: type, name: str, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint`` with the saved hyperparameter ``name`` left out of the
-    arguments (a subclass passes that argument to its parent itself: the saved one would
-    clash with it).
-
-    Lightning's ``_load_state`` passes every saved hyperparameter to ``cls(**hparams)`` when
-    ``__init__`` takes ``**kwargs`` (2.4.0 to 2.6.6): the load goes through a subclass whose
-    ``__init__`` drops ``name`` (and those dropped before, on a second clash), and the loaded
-    instance is then given class ``cls`` (the subclass adds nothing to it).
-    """
-    dropped = {name, *getattr(cls, "_dropped_on_load", ())}
-    base = getattr(cls, "_loading_base", cls)
-
-    def __init__(self: Any, *a: Any, **kw: Any) -> None:
-        for k in dropped:
-            kw.pop(k, None)
-        base.__init__(self, *a, **kw)
-
-    loading = type(base.__name__, (base,), {"__init__": __init__, "__qualname__": base.__qualname__,
-                                             "__module__": base.__module__, "_dropped_on_load": dropped,
-                                             "_loading_base": base})
-    obj = loading.load_from_checkpoint(checkpoint_path, *args, **kwargs)
-    obj.__class__ = base
-    return obj
-
-
 def namedtuple_fields(cls: type) -> tuple[str, ...] | None:
     """The field names of a namedtuple class, else None.
 

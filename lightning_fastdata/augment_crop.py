@@ -719,6 +719,10 @@ class RandomCropByLabel(BatchTransform):
             raise ValueError(f"RandomCropByLabel(label={self.label!r}) needs an image or mask field of that name; "
                              f"the batch has {batch.kinds}")
         size = self.window_size(batch)
+        if not len(batch):
+            empty = torch.zeros((0, batch.spatial_dims), dtype=torch.int64, device=batch.keys.device)
+            return {"center": empty, "offset": empty.clone(),
+                    "foreground": torch.zeros(0, dtype=torch.bool, device=batch.keys.device)}
         if batch.ragged:
             # Each sample as a batch of one with its own keys: the draw is per sample, so this
             # is the centre and window it gets in a batch tensor of samples of its size.

@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -25,12 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata._lightning import (
-    batch_index_record,
-    load_without,
-    quiet_shared_hook_warnings,
-    training_steps_in_flight,
-)
+from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
 from lightning_fastdata.augment import Batch, BatchTransform, starts_with_crop
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
@@ -100,29 +95,6 @@ def _check_auto_int(name: str, value: Any, minimum: int) -> None:
 def _check_auto_bool(name: str, value: Any) -> None:
     if value != _AUTO and not isinstance(value, bool):
         raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
-
-
-#: The init arguments a checkpoint keeps as text (their repr): they cannot be rebuilt from it.
-_AUGMENTS = ("train_augment", "eval_augment")
-
-
-def _raise_with_augments_fix(cls: type, e: BaseException, kwargs: dict[str, Any]) -> NoReturn:
-    """Raise ``e``, from loading a checkpoint of ``cls``, told that the augmentations it keeps
-    as text must be passed again (a ``TypeError`` saying so when ``e`` names one of them)."""
-    def fix(names: list[str]) -> str:
-        given = ", ".join(f"{k}=..." for k in names)
-        return (f"{cls.__name__}.load_from_checkpoint: the checkpoint keeps {' and '.join(names)} as text (the "
-                f"augmentation's repr), which cannot be rebuilt; pass it again: "
-                f"{cls.__name__}.load_from_checkpoint(path, {given})")
-
-    missing = [k for k in _AUGMENTS if k not in kwargs]
-    named = [k for k in missing if k in str(e)]
-    if named:
-        raise TypeError(fix(named)) from e
-    if missing:
-        # A subclass that takes the text and builds on it fails with its own words.
-        e.add_note(f"lightning_fastdata: if this comes from the text the checkpoint keeps: {fix(missing)}")
-    raise e
 
 
 class OptimizedDataModule(L.LightningDataModule):
@@ -335,18 +307,25 @@ class OptimizedDataModule(L.LightningDataModule):
         """
         try:
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
-        except TypeError as e:
-            clash = re.search(r"multiple values for keyword argument '(\w+)'", str(e))
-            if clash is None or clash.group(1) not in _AUGMENTS or clash.group(1) in kwargs:
-                _raise_with_augments_fix(cls, e, kwargs)
-            name = clash.group(1)
         except Exception as e:
-            _raise_with_augments_fix(cls, e, kwargs)
-        # A subclass that passes this augmentation to super().__init__ itself: its own arguments
-        # rebuild it, and the saved text must not be passed back next to it. Retried outside the
-        # handler: a second clash raised while handling the first comes out of CPython 3.11 as
-        # a bare KeyError.
-        return load_without(cls, name, checkpoint_path, *args, **kwargs)
+            clash = re.search(r"multiple values for keyword argument '(train_augment|eval_augment)'", str(e))
+            if clash is not None:
+                # The subclass passes this augmentation to super().__init__ itself, and the
+                # checkpoint passes its text back next to it.
+                name = clash.group(1)
+                raise TypeError(
+                    f"{cls.__name__}.load_from_checkpoint: {cls.__name__} passes {name} to "
+                    f"OptimizedDataModule.__init__ itself, and the checkpoint's hparams hold its text too, passed "
+                    f"back next to it; in {cls.__name__}.__init__, after super().__init__(...), drop it from the "
+                    f"saved hyperparameters: del self.hparams[{name!r}] (its own arguments rebuild it)") from e
+            missing = [k for k in ("train_augment", "eval_augment") if k not in kwargs and k in str(e)]
+            if not missing:
+                raise
+            given = ", ".join(f"{k}=..." for k in missing)
+            raise TypeError(
+                f"{cls.__name__}.load_from_checkpoint: the checkpoint keeps {' and '.join(missing)} as text (the "
+                f"augmentation's repr), which cannot be rebuilt; pass it again: "
+                f"{cls.__name__}.load_from_checkpoint(path, {given})") from e
 
     # ------------------------------------------------------------------ user hooks
 

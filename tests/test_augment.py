@@ -705,7 +705,8 @@ def test_apply_refuses_parameters_that_do_not_fit_the_batch(dtype):
 
 
 @pytest.mark.parametrize("op", [A.ColorJitter(0.3, 0.3, 0.3), A.Normalize([0.5] * 3, [0.2] * 3), A.RandomResizedCrop(6),
-                                A.RandomRotation(20), A.RandomErasing(p=1.0), A.RandomCrop(6, padding=2)],
+                                A.RandomRotation(20), A.RandomErasing(p=1.0), A.RandomCrop(6, padding=2),
+                                A.RandomCropByLabel(4, label="image")],
                          ids=lambda op: type(op).__name__)
 def test_draw_then_apply_on_a_batch_of_no_samples_equals_the_op(op):
     """``op(x, keys)`` took a batch of 0 samples; ``op.apply(x, **op.draw(x, keys))`` failed for
