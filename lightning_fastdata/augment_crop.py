@@ -175,7 +175,7 @@ def _axis_keep(choices: int, size: int, pad: int, extent: int, dtype: torch.dtyp
 
 class _CutGeometry:
     """What the masked cut of one (sample shape, window, padding, dtype) needs, made once:
-    numbers, the window view's shape and strides, and the margin tables (see ``_margins``)."""
+    numbers, the window view's shape and strides, and the margin tables (see ``margins``)."""
 
     __slots__ = ("mid", "numel", "strides", "margin", "extent", "view_size", "view_strides", "tables", "pair")
 

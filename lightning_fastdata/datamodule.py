@@ -62,9 +62,9 @@ SPLITS = ("train", "val", "test", "predict")
 _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 _AUTO = "auto"
 _KINDS = ("image", "mask", "other")
-#: The LightningModule hooks that see batches; the datamodule owns them and calls the model's.
 #: The tag of loader iterations started by a fit's validation run (see ``_close_evaluations``).
 _VALIDATION_IN_FIT = "validation in a fit"
+#: The LightningModule hooks that see batches; the datamodule owns them and calls the model's.
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 #: What a checkpoint's data plan must match for a resumed run to see the batches it would have seen.
 _PLAN_KEYS = ("strategy", "chunk_mode", "seed", "shuffle", "drop_last", "batch_size", "fingerprints")
