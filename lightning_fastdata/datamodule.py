@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
@@ -652,6 +653,8 @@ class OptimizedDataModule(L.LightningDataModule):
         overfit = self.trainer is not None and bool(self.trainer.overfit_batches)
         kw = dict(shuffle=self.shuffle and train and not overfit, drop_last=self.drop_last and train, seed=self.seed,
                   rank=rank, world_size=world, pad=split != "predict")
+        if split in ("val", "test") and world > 1 and n % world:
+            self._warn_padded_evaluation(split, n, world)
         source = self.placement.sources.get(split)
         if isinstance(source, ChunkedSource) and source.rows % self._batch_size(split):
             source = self._rechunk(split, source, plan, world)
@@ -755,6 +758,21 @@ class OptimizedDataModule(L.LightningDataModule):
             if split == "train":
                 self._warn_dataloader_iter()
         return loader
+
+    def _warn_padded_evaluation(self, split: str, n: int, world: int) -> None:
+        """Say that a ``trainer.validate``/``trainer.test`` on several ranks counts some samples
+        twice, as Lightning says for the ``DistributedSampler`` it puts in a plain loader (it
+        puts none in these loaders, so it never said so for them)."""
+        trainer = self.trainer
+        fn = getattr(trainer.state.fn, "value", None) if trainer is not None else None
+        if fn not in ("validate", "test"):
+            return
+        extra = world - n % world
+        rank_zero_warn(
+            f"lightning_fastdata: trainer.{fn}() on {world} ranks: the {split} split's {n} samples are "
+            f"padded to {n + extra} with {extra} repeated (every rank gets as many batches, as DistributedSampler "
+            "does), so those are counted twice in the metrics; for each sample evaluated exactly once, run it on "
+            "one device: Trainer(devices=1, num_nodes=1)", category=PossibleUserWarning)
 
     def _warn_dataloader_iter(self) -> None:
         """A ``training_step(dataloader_iter)`` gets batches no Lightning hook has seen (Lightning
@@ -1088,8 +1106,11 @@ class OptimizedDataModule(L.LightningDataModule):
         if not saved:
             return
         self._restored_plan = saved
+        trainer = self.trainer
+        if trainer is not None and trainer.state.fn != "fit":
+            return  # a test, validate or predict from a checkpoint resumes no batches: nothing to differ
         now = self.data_plan()
-        differ = [k for k in _PLAN_KEYS if k in saved and saved[k] != now[k]]
+        differ = [k for k in _PLAN_KEYS if k in saved and not _same_plan_value(k, saved[k], now[k])]
         if not differ:
             return
         batches = [k for k in differ if k != "strategy"]
@@ -1100,6 +1121,14 @@ class OptimizedDataModule(L.LightningDataModule):
             f"lightning_fastdata: resuming with a different data plan ({', '.join(differ)} changed): {effect}. "
             f"checkpoint: {_plan_text(saved, differ)}; this run: {_plan_text(now, differ)}"
         )
+
+
+def _same_plan_value(key: str, saved: Any, now: Any) -> bool:
+    """Whether a data plan's ``key`` is unchanged; fingerprints of the splits both plans hold
+    (a split one of them never opened has nothing to compare)."""
+    if key == "fingerprints" and isinstance(saved, dict) and isinstance(now, dict):
+        return all(saved[s] == now[s] for s in saved.keys() & now.keys())
+    return saved == now
 
 
 def _plan_text(plan: dict[str, Any], keys: list[str]) -> str:

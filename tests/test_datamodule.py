@@ -838,6 +838,38 @@ def test_checkpoint_carries_the_data_plan_and_a_changed_plan_warns_with_both(tmp
         trainer(tmp_path, max_epochs=1).fit(TinyModel(), other, ckpt_path=str(path))
 
 
+class _FourSplits(TinyDataModule):
+    def source(self, split: str):
+        return CountingDataset(self.n, self.shape)
+
+
+class _Predicts(TinyModel):
+    def test_step(self, batch, batch_idx):
+        return None
+
+    def predict_step(self, batch, batch_idx):
+        return batch[1]
+
+
+def test_a_test_or_predict_from_a_checkpoint_does_not_warn_of_a_changed_plan(tmp_path):
+    """``trainer.test(ckpt_path=...)`` (and predict, and LightningCLI's ``test --ckpt_path``)
+    warned "resuming with a different data plan (fingerprints changed): the remaining batches
+    will differ": the checkpoint held the train split's fingerprint, the run opened the test
+    split, and nothing was resumed."""
+    cache = str(tmp_path / "c")
+    def dm():
+        return _FourSplits(n=32, batch_size=8, cache_dir=cache, device="cpu")
+
+    t = trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
+    t.fit(_Predicts(), dm())
+    path = t.checkpoint_callback.best_model_path
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*different data plan.*")
+        trainer(tmp_path).test(_Predicts(), dm(), ckpt_path=path)
+        trainer(tmp_path).predict(_Predicts(), dm(), ckpt_path=path)
+        trainer(tmp_path, max_epochs=2).fit(_Predicts(), dm(), ckpt_path=path)
+
+
 @pytest.mark.slow
 def test_a_samples_augmentation_is_the_same_whatever_the_batch_rank_strategy_or_resume(tmp_path):
     """Every sample's augmented pixels, bit for bit, across batch sizes, world sizes, strategies and a resume."""
@@ -1221,3 +1253,24 @@ def test_a_val_loader_among_the_training_loaders_is_never_cut_by_the_training(tm
     assert len(model.unlab) == 8
     for got, expected in zip(model.unlab, want, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_a_test_on_several_ranks_says_which_samples_it_counts_twice(tmp_path, monkeypatch):
+    """Under DDP, ``trainer.test`` pads the test split so that every rank gets as many batches
+    (as DistributedSampler does), so a sample or two enter the metrics twice: Lightning warns
+    for the sampler it puts in a plain loader, but puts none in these, and nothing was said."""
+    import lightning as L
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: 2))  # rank 0 of 2, in one process
+
+    def test(n):
+        dm = _FourSplits(n=n, batch_size=4, cache_dir=str(tmp_path / f"c{n}"), device="cpu")
+        trainer(tmp_path).test(_Predicts(), dm)
+
+    with pytest.warns(PossibleUserWarning, match=r"trainer.test\(\) on 2 ranks: the test split's 15 samples are "
+                                                 r"padded to 16 with 1 repeated .* Trainer\(devices=1, num_nodes=1\)"):
+        test(15)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*counted twice.*")
+        test(16)  # nothing repeated
