@@ -446,7 +446,7 @@ def _padding_sides(padding: tuple[int, ...], sd: int) -> tuple[tuple[int, ...], 
                      "give an int or (d, h, w), each padded on both sides of its axis")
 
 
-def refuse_offsets_outside(op: str, offset: torch.Tensor, size: Sequence[int], inputs: Sequence[Sequence[int]],
+def _refuse_offsets_outside(op: str, offset: torch.Tensor, size: Sequence[int], inputs: Sequence[Sequence[int]],
                            what: str) -> None:
     """Refuse window corners ``offset`` (N, sd) given to ``op.apply`` that put a ``size``
     window past sample i's input of spatial size ``inputs[i]`` (on the CPU): the cut reads
@@ -566,7 +566,7 @@ class RandomCrop(BatchTransform):
         else:
             size, _, _, full = self._geometry(batch)
             padded = [full] * len(batch)
-        refuse_offsets_outside("RandomCrop", offset, size, padded, "its padded input")
+        _refuse_offsets_outside("RandomCrop", offset, size, padded, "its padded input")
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
                     flip_dims: Sequence[int] = (-1,), image_cut: ImageCut | None = None) -> Batch:
@@ -768,7 +768,7 @@ class RandomCropByLabel(BatchTransform):
         if not isinstance(offset, torch.Tensor) or not host_shortcuts(offset.device) or not len(batch):
             return
         spatial = batch.spatial_size if batch.ragged else [batch.spatial_size] * len(batch)
-        refuse_offsets_outside("RandomCropByLabel", offset, self.window_size(batch), spatial, "its input")
+        _refuse_offsets_outside("RandomCropByLabel", offset, self.window_size(batch), spatial, "its input")
 
     def apply_batch(self, batch: Batch, offset: torch.Tensor, flip: torch.Tensor | None = None,
                     flip_dims: Sequence[int] = (-1,), image_cut: ImageCut | None = None,

@@ -291,6 +291,8 @@ class OptimizedDataModule(L.LightningDataModule):
         self._loaders: dict[str, Any] = {}
         #: Every loader made for each split since its setup, with the Trainer request it answered.
         self._made: dict[str, list[tuple[Any, Any]]] = {}
+        #: A fit's validation run started a loader iteration since training last closed them.
+        self._validation_iterated = False
         self._restored_plan: dict[str, Any] | None = None
         # dm.hparams shows the whole configuration (the subclass's arguments included);
         # augmentations by their repr, so checkpoints and loggers get text, not objects.
@@ -866,10 +868,8 @@ class OptimizedDataModule(L.LightningDataModule):
                     f"samples, the batch has {n}: each sample's augmentation is keyed by its index, so a hook "
                     "that drops or adds samples must run after the augmentation; move it to on_after_batch_transfer"
                 )
-        out = FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, batch.prepared)
         # Still the loader's batch: its loader counts it as used (resume), its split and pending state hold.
-        out.pending, out.split, out.loader = batch.pending, batch.split, batch.loader
-        return out
+        return batch.with_leaves(leaves)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Run the LightningModule's own ``on_before_batch_transfer`` on the sample structure."""
@@ -943,6 +943,7 @@ class OptimizedDataModule(L.LightningDataModule):
         """The tag of an iteration a fit's validation run (or sanity check) starts, else None."""
         trainer = self.trainer
         if trainer is not None and trainer.state.fn == "fit" and (trainer.sanity_checking or trainer.validating):
+            self._validation_iterated = True
             return _VALIDATION_IN_FIT
         return None
 
@@ -953,9 +954,12 @@ class OptimizedDataModule(L.LightningDataModule):
         GPU), or its worker processes, are freed now. Only iterations a validation run started:
         a loader of another split iterated in training (a val loader among the training
         loaders, a callback's own evaluation) is never cut."""
+        if not self._validation_iterated:
+            return  # the per-batch cost while no validation run started an iteration: one attribute read
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit" or not trainer.training:
             return
+        self._validation_iterated = False
         for made in self._made.values():
             for _, loader in made:
                 if getattr(loader, "active", 0):

@@ -251,10 +251,14 @@ class FastBatch:
         """
         leaves = [v.to(device, non_blocking=non_blocking) if isinstance(v, (torch.Tensor, RaggedBatch)) else v
                   for v in self.leaves]
-        moved = FastBatch(leaves, self.spec, self.names, self.indices.to(device, non_blocking=non_blocking),
-                          self.epoch, self.index, self.prepared)
-        moved.pending, moved.split, moved.loader = self.pending, self.split, self.loader
-        return moved
+        return self.with_leaves(leaves, self.indices.to(device, non_blocking=non_blocking))
+
+    def with_leaves(self, leaves: list[Any], indices: torch.Tensor | None = None) -> FastBatch:
+        """The same batch (structure, samples, loader, state) holding ``leaves`` (and ``indices``)."""
+        out = FastBatch(leaves, self.spec, self.names, self.indices if indices is None else indices, self.epoch,
+                        self.index, self.prepared)
+        out.pending, out.split, out.loader = self.pending, self.split, self.loader
+        return out
 
     def __iter__(self) -> Iterator[Any]:
         self._warn_pending()
