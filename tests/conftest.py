@@ -42,18 +42,21 @@ def _tmp() -> set[str]:
 
 def _terminated_worker_dir(name: str) -> bool:
     """A pymp-* folder holding only multiprocessing's resource-sharer sockets (listener-*), still
-    there after the wait: a DataLoader worker sent tensors by file descriptor and, slow to exit
-    with both cores busy, was terminated by torch's shutdown timeout before removing it (its
-    exit handler never ran). Not the package's; removed."""
+    there after the wait: multiprocessing's own per-process folder, made when a process first
+    hands a file descriptor to another (tensors sent to or from DataLoader workers). A worker
+    terminated by torch's shutdown timeout (slow to exit with both cores busy) never removes
+    its folder: removed here. This process's own stays until it exits: not the test's doing."""
     import multiprocessing
 
     p = _TMP / name
-    own = multiprocessing.current_process()._config.get("tempdir")  # this process's: in use, never removed
-    if not name.startswith("pymp-") or not p.is_dir() or (own is not None and Path(own) == p):
+    if not name.startswith("pymp-") or not p.is_dir():
         return False
     entries = list(p.iterdir())
     if not entries or not all(e.name.startswith("listener-") for e in entries):
         return False
+    own = multiprocessing.current_process()._config.get("tempdir")
+    if own is not None and Path(own) == p:
+        return True  # in use by this process until it exits (pytest_sessionfinish removes _TMP)
     for e in entries:
         e.unlink(missing_ok=True)
     p.rmdir()
