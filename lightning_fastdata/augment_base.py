@@ -726,11 +726,12 @@ def float_range(value: float | Sequence[float], name: str, center: float | None 
     """``value`` as (lo, hi); a number means ``center -/+ value`` (or ``-/+ value``)."""
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{name} must be a number or a pair (min, max), got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
+    single = _float(value)  # numpy scalars and 0-d tensors too, not only int and float
+    if single is not None:
+        if single < 0:
             raise ValueError(f"{name} as a single number must be >= 0, got {value!r}")
         c = 0.0 if center is None else center
-        lo, hi = c - float(value), c + float(value)
+        lo, hi = c - single, c + single
         if center is not None:
             lo = max(lo, lower)
     else:
@@ -773,14 +774,16 @@ def refuse_unfit_fill(batch: Batch, values: Sequence[float], op: str, shown: Any
 
 
 def fill_values(fill: float | Sequence[float], name: str) -> list[float]:
-    """A fill: one number, or one per channel."""
+    """A fill: one finite number (a numpy scalar or 0-d tensor too), or one per channel."""
     what = "a number or one number per channel"
     if isinstance(fill, bool):
         raise TypeError(f"{name} must be {what}, got {fill!r}")
-    values = [float(fill)] if isinstance(fill, (int, float)) else list(float_seq(fill, name, what))
+    single = _float(fill)
+    values = [single] if single is not None else list(float_seq(fill, name, what))
     if not values:
         raise ValueError(f"{name} must be a number or one number per channel, got {fill!r}")
-    return values
+    # NaN or inf turned a bilinear resample's every pixel NaN ((img - fill) * w + fill).
+    return [finite_float(v, name) for v in values]
 
 
 def refuse_bool_images(batch: Batch, op: str, reason: str) -> None:

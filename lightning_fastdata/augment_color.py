@@ -39,12 +39,28 @@ def _require_2d(batch: Batch, op: str) -> None:
         raise ValueError(f"{op} works on 2-D images (N, C, H, W); the batch has {batch.spatial_dims} spatial dims")
 
 
+def _round_once(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` (float64) as float16/bfloat16, each value the nearest. torch converts through
+    float32, and where that rounding lands on a tie of ``dtype`` the second rounding can go
+    the wrong way (int16 32759 / 32767 became 1.0, not 0.99951); rounding to odd in float32
+    first (an inexact value takes its odd neighbour) keeps it off every tie."""
+    f = y.to(torch.float32)
+    exact = f.to(torch.float64)
+    even = f.view(torch.int32).bitwise_and(1) == 0
+    toward_y = torch.where(exact < y, float("inf"), float("-inf")).to(torch.float32)
+    return torch.where((exact != y) & even, torch.nextafter(f, toward_y), f).to(dtype)
+
+
 def to_dtype(x: torch.Tensor, dtype: torch.dtype, scale: bool) -> torch.Tensor:
     """``torchvision.transforms.v2.functional.to_dtype(x, dtype, scale)`` for images.
 
     Integers scale by their dtype's maximum (uint8 255, int16 32767, uint16 65535, ...).
     Float -> integer multiplies by ``max + 1 - 1e-3`` and truncates as torchvision does, but
     clamps to the integer range first (torchvision wraps values outside [0, 1]).
+    Integer -> float16/bfloat16 scales in a wider dtype and rounds once, so every value is
+    the nearest of the target dtype; torchvision casts first, which makes uint16 >= 65520 and
+    int32 >= 2**20 inf in float16 and is a bit off for int16 and uint16 (uint8 and int8
+    results are the same).
     """
     if x.dtype == dtype:
         return x
@@ -61,7 +77,15 @@ def to_dtype(x: torch.Tensor, dtype: torch.dtype, scale: bool) -> torch.Tensor:
         low = -top - 1 if dtype.is_signed else 0
         return x.mul(top + 1.0 - 1e-3).clamp_(low, top).to(dtype)
     if dtype.is_floating_point:
-        return x.to(dtype).mul_(1.0 / INT_MAX[x.dtype])
+        top = INT_MAX[x.dtype]
+        if dtype in (torch.float16, torch.bfloat16):
+            # Scaled in a wider dtype, rounded once: cast first, uint16 65520+ and int32 2**20+
+            # became inf in float16, and the factor itself was rounded. From 8 bits float32
+            # gives the nearest value of every input (checked exhaustively), the same as before.
+            if top <= 255:
+                return x.to(torch.float32).mul_(1.0 / top).to(dtype)
+            return _round_once(x.to(torch.float64).div_(top), dtype)
+        return x.to(dtype).mul_(1.0 / top)
     # integer -> integer: shift by the difference in value bits, as torchvision.
     bits_in, bits_out = (INT_MAX[d].bit_length() for d in (x.dtype, dtype))
     if bits_in > bits_out:
@@ -78,7 +102,9 @@ class ToDtype(BatchTransform):
 
     With ``scale``, integers map to [0, 1] floats by their dtype's maximum (uint8 255,
     int16 32767, uint16 65535, int32 2**31 - 1) and back. Mask fields keep their dtype and
-    values; ``other`` fields pass through.
+    values; ``other`` fields pass through. Unlike torchvision, integers -> float16/bfloat16
+    give the nearest value of the target dtype (torchvision casts before scaling: uint16
+    >= 65520 and int32 >= 2**20 became inf in float16); uint8 and int8 results are the same.
 
     Args:
         dtype: "float32", "float16", "bfloat16", "float64", "uint8", "int16", "uint16",

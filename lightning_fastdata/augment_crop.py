@@ -495,6 +495,7 @@ class RandomCrop(BatchTransform):
         self.padding = _padding_arg(padding)
         if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
             raise TypeError(f"RandomCrop fill must be a number, got {fill!r}")
+        finite_float(fill, "fill")  # nan padded float images with NaN without a word
         self.fill = fill
         self.pad_if_needed = bool(pad_if_needed)
 

@@ -20,6 +20,7 @@ from lightning_fastdata._pool import default_threads, map_runs
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
+    _float,
     chunk_rows,
     chunked,
     compute_dtype,
@@ -153,12 +154,14 @@ def resize_window(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height
 def interpolate_image(x: torch.Tensor, size: Sequence[int], antialias: bool) -> torch.Tensor:
     """One image (or a batch of one size) ``(..., C, H, W)`` resized to ``size`` as
     torchvision's ``resize`` does: ``F.interpolate`` (bilinear), uint8 natively on the CPU,
-    other integers through float32 with rounding."""
+    other integers (and uint8 to 1x1) through float32 with rounding."""
     size = (int(size[0]), int(size[1]))
     if tuple(x.shape[-2:]) == size:
         return x  # torchvision returns the input unchanged too
     flat = x.reshape(-1, *x.shape[-3:])
-    native = x.dtype in (torch.float32, torch.float64) or (x.dtype == torch.uint8 and x.device.type == "cpu")
+    # torch's uint8 CPU kernel fails an internal assert for a 1x1 output (3 channels).
+    native = x.dtype in (torch.float32, torch.float64) or (
+        x.dtype == torch.uint8 and x.device.type == "cpu" and size != (1, 1))
     y = F.interpolate(flat if native else flat.to(torch.float32), size=size, mode="bilinear",
                       align_corners=False, antialias=antialias)
     if not native:
@@ -558,7 +561,7 @@ class RandomAffine(BatchTransform):
         fill: Images: value (or one per channel) of the area outside the input.
         center: Rotation center (x, y) in pixels (2-D); default the image center.
         axes: Volumes: the axes rotated about, among -3 (D), -2 (H), -1 (W); the last
-            listed is applied first.
+            listed is applied first. Images (2-D batches) refuse any other than (-3,).
     """
 
     def __init__(self, degrees: float | Sequence[float], translate: Sequence[float] | None = None,
@@ -577,7 +580,7 @@ class RandomAffine(BatchTransform):
                 raise ValueError(f"scale values must be > 0, got {scale!r}")
         self.scale = scale
         if shear is not None:
-            if isinstance(shear, (int, float)):
+            if _float(shear) is not None:  # numpy scalars and 0-d tensors too
                 shear = float_range(shear, "shear")
             else:
                 vals = float_seq(shear, "shear", "a number, or 2 or 4 numbers")
@@ -602,6 +605,12 @@ class RandomAffine(BatchTransform):
             raise ValueError(f"axes must be distinct spatial axes among -3 (D), -2 (H), -1 (W), got {axes!r}")
         self.axes = axes
 
+    def _check_2d(self, batch: Batch) -> None:
+        if self.axes != (-3,):  # about D is the H-W plane: the only turn an image has
+            name = type(self).__name__
+            raise ValueError(f"{name} axes={self.axes} turns volumes about those axes, but the batch has 2 "
+                             "spatial dims (images turn in the H-W plane: leave axes at (-3,))" + volume_hint(3, 2))
+
     def _check_3d(self, batch: Batch) -> None:
         name = type(self).__name__
         if self.shear is not None or self.center is not None:
@@ -615,6 +624,7 @@ class RandomAffine(BatchTransform):
         if batch.spatial_dims == 3:
             self._check_3d(batch)
             return self._params_3d(batch)
+        self._check_2d(batch)
         if self.translate is not None and len(self.translate) != 2:
             raise ValueError(f"{type(self).__name__} translate={self.translate} needs 2 fractions (fx, fy) for images"
                              + volume_hint(len(self.translate), 2))
@@ -669,6 +679,7 @@ class RandomAffine(BatchTransform):
         if batch.spatial_dims == 3:
             self._check_3d(batch)
             return inverse_affine_3d(params["angles"], self.axes, params["translate"], params["scale"])
+        self._check_2d(batch)
         cx, cy = self._center(*batch.spatial_size)
         return _inverse_affine(params["angle"], params["tx"], params["ty"], params["scale"],
                                params["shear_x"], params["shear_y"], cx, cy)
@@ -711,7 +722,8 @@ class RandomRotation(RandomAffine):
         interpolation: Images: "nearest" (torchvision's default) or "bilinear".
         fill: Images: value (or one per channel) of the area outside the input.
         center: Rotation center (x, y) in pixels (2-D); default the image center.
-        axes: Volumes: the axes rotated about, among -3 (D), -2 (H), -1 (W).
+        axes: Volumes: the axes rotated about, among -3 (D), -2 (H), -1 (W). Images
+            (2-D batches) refuse any other than (-3,).
     """
 
     def __init__(self, degrees: float | Sequence[float], interpolation: str = "nearest",

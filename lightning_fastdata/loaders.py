@@ -577,7 +577,10 @@ class IndexLoader(_Loader):
             produced.close()
 
     def close(self) -> None:
-        """Stop the source's background work (restarted when iterated again)."""
+        """Stop the iterations under way and the source's background work (restarted when
+        iterated again). An iteration a failed loop still holds (an error in
+        ``validation_step``) would otherwise keep its ``ahead`` thread and ready batches."""
+        self.close_iterations()
         self.source.close()
 
 
@@ -792,8 +795,11 @@ class WorkerLoader(_Loader):
         return self.dataloader.num_workers
 
     def close(self) -> None:
-        """Stop worker processes now. Persistent workers otherwise live until the loader is
-        garbage-collected, which the loader/sampler reference cycle delays to the next collection."""
+        """Stop the iterations under way and the worker processes now. Persistent workers
+        otherwise live until the loader is garbage-collected, which the loader/sampler
+        reference cycle delays to the next collection; a non-persistent iteration a failed
+        loop still holds (an error in ``validation_step``) keeps its own workers."""
+        self.close_iterations()
         shutdown_dataloader_workers(self.dataloader)
 
     def _iterate(self) -> Iterator[FastBatch]:

@@ -716,3 +716,37 @@ def test_draw_then_apply_on_a_batch_of_no_samples_equals_the_op(op):
     want = op(x, k)
     got = op.apply(x, **op.draw(x, k))
     assert got.shape == want.shape and got.dtype == want.dtype
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda v: A.RandomRotation(10, interpolation="bilinear", fill=v), "RandomRotation: fill"),
+    (lambda v: A.RandomAffine(10, fill=[0.0, v, 0.0]), "RandomAffine: fill"),
+    (lambda v: A.RandomErasing(p=1.0, value=v), "RandomErasing: value"),
+    (lambda v: A.RandomCrop(8, padding=2, fill=v), "RandomCrop: fill"),
+])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_fill_that_is_not_finite_is_refused_at_construction(make, name, value):
+    """A NaN or infinite fill was accepted: a bilinear rotation's blend ``(img - fill) * w + fill``
+    made every pixel NaN, erasing and crop padding wrote NaN, all without a word."""
+    with pytest.raises(ValueError, match=rf"{name} must be finite, got {value}"):
+        make(value)
+
+
+@pytest.mark.parametrize("make", [
+    lambda v: A.ColorJitter(brightness=v, contrast=v, saturation=v),
+    lambda v: A.RandomRotation(v),
+    lambda v: A.RandomAffine(v, shear=v),
+    lambda v: A.RandomRotation(10, fill=v),
+    lambda v: A.RandomErasing(value=v),
+], ids=["ColorJitter", "RandomRotation", "RandomAffine", "RandomRotation-fill", "RandomErasing-value"])
+def test_range_and_fill_arguments_take_numpy_scalars_and_0d_tensors(make):
+    """``ColorJitter(brightness=np.float32(0.4))`` raised "brightness must be a number or a pair
+    (min, max), got np.float32(0.4)" (as did np.int64, a 0-d tensor, RandomRotation(np.float32(10)),
+    shear=np.float32(5)), while np.float64 and RandomHorizontalFlip(np.float32(0.5)) were taken."""
+    np = pytest.importorskip("numpy")
+    want = repr(make(0.5))
+    for v in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.tensor(0.5, dtype=torch.float64)):
+        assert repr(make(v)) == want, type(v)
+    assert repr(make(np.int64(1))) == repr(make(1))
+    with pytest.raises(TypeError, match="must be"):
+        make(True)  # a bool stays refused

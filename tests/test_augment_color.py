@@ -221,3 +221,31 @@ def test_normalize_to_half_precision_rounds_once(dtype):
     assert torch.equal(out, exact32.to(out.dtype))
     err = (out.double() - ref).abs().max()
     assert err <= (ref.abs().max() * (2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.uint16, torch.int32])
+@pytest.mark.parametrize("target", [torch.float16, torch.bfloat16])
+def test_to_dtype_to_half_precision_gives_the_nearest_value(dtype, target):
+    """ToDtype("float16") cast before scaling (as torchvision): uint16 65520..65535 and int32
+    >= 2**20 became inf, int32 1 became 0, int16 and uint16 were up to a unit off. Now each value
+    is the nearest of the target dtype; uint8 results stay torchvision's, bit for bit."""
+    top = {torch.uint8: 255, torch.int16: 32767, torch.uint16: 65535, torch.int32: 2**31 - 1}[dtype]
+    if dtype == torch.int32:
+        g = torch.Generator().manual_seed(0)
+        v = torch.cat([torch.tensor([0, 1, 2**20, top]), torch.randint(0, top, (20000,), generator=g),
+                       torch.arange(top - 5000, top)])
+    else:  # every value of the dtype
+        v = torch.arange(-top - 1 if dtype.is_signed else 0, top + 1)
+    x = v.to(dtype).view(1, 1, 1, -1)
+    out = A.ToDtype(str(target).removeprefix("torch."))(x)
+    assert out.dtype == target and bool(out.isfinite().all())
+    # The nearest target value of each exact quotient, from every finite value of the target.
+    grid = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(target).double()
+    grid = grid[grid.isfinite()].unique()
+    q = v.double() / top
+    i = torch.searchsorted(grid, q).clamp(1, len(grid) - 1)
+    lo, hi = grid[i - 1], grid[i]
+    nearest = torch.where((hi - q).abs() < (q - lo).abs(), hi, lo)
+    assert torch.equal(out.view(-1).double(), nearest)
+    if dtype == torch.uint8:
+        assert torch.equal(out, TF.to_dtype(x, target, scale=True))

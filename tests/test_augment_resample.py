@@ -461,3 +461,36 @@ def test_per_size_constants_stay_bounded_over_many_sizes():
         again = op(few, k)
         assert all(map(torch.equal, again, ragged_out)) and len(again) == len(ragged_out)
         assert torch.equal(op(torch.stack(few), k), batch_out)
+
+
+@pytest.mark.parametrize("antialias", [True, False])
+def test_resize_of_uint8_to_one_pixel_equals_torchvision_in_float(antialias):
+    """``Resize((1, 1))`` of a 3-channel uint8 batch (or ``Resize(1)`` of a list) raised torch's
+    "num_channels == unpacked_output.size(0) INTERNAL ASSERT FAILED ... please report a bug to
+    PyTorch": its uint8 CPU kernel fails for a 1x1 output. uint8 to 1x1 goes through float32,
+    rounded back: torchvision's float result, rounded."""
+    x = images(3, shape=(3, 7, 5), seed=2)
+    ref = TF.resize(x.float(), [1, 1], antialias=antialias).round().to(torch.uint8)
+    out = A.Resize((1, 1), antialias=antialias)(x)
+    assert out.dtype == torch.uint8 and torch.equal(out, ref)
+    listed = A.Resize(1, antialias=antialias)(list(x))
+    assert all(torch.equal(o, r) for o, r in zip(listed, ref, strict=True))
+
+
+@pytest.mark.parametrize("op", [A.RandomRotation((90, 90), axes=(-1,)), A.RandomAffine(30, axes=(-2,)),
+                                A.RandomRotation(30, axes=(-3, -1))], ids=lambda op: f"{type(op).__name__}{op.axes}")
+def test_rotation_axes_on_a_batch_of_images_are_refused_with_the_volume_hint(op):
+    """A volume stored without its channel axis, (N, D, H, W), batches as 2-D images of D channels:
+    ``RandomRotation((90, 90), axes=(-1,))`` (about W, the D-H plane) turned it in the H-W plane,
+    silently, where RandomFlip(dims=(-3,)) refuses with the hint to add the channel."""
+    vol = torch.rand(2, 8, 16, 16)
+    hint = r"batch has 2 spatial dims.*add the channel in static_transform \(x\[None\]\)"
+    with pytest.raises(ValueError, match=rf"{type(op).__name__} axes=\(.*\) turns volumes .*{hint}"):
+        op(vol, keys(2))
+    params = A.RandomRotation(30).draw(vol, keys(2))
+    with pytest.raises(ValueError, match=hint):
+        op.apply(vol, **params)
+    # The default, or an explicit (-3,) (about D is the H-W plane), turns images as before.
+    k = keys(2)
+    assert torch.equal(A.RandomRotation(30, axes=(-3,))(vol, k), A.RandomRotation(30)(vol, k))
+    assert op(vol[:, None], keys(2)).shape == (2, 1, 8, 16, 16)  # with the channel: a volume

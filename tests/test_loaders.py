@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -372,3 +373,55 @@ def test_deferred_fields_reach_prepare_as_store_rows_and_never_leave_the_loader(
         IndexLoader(source, order, store.spec, names_of(store), defer=frozenset({0}))
     with pytest.raises(ValueError, match=r"defer names fields \[2\] that this device source cannot hand out"):
         IndexLoader(source, order, store.spec, names_of(store), prepare=prepare, defer=frozenset({2}))
+
+
+class _FailingInValidation(L.LightningModule):
+    """Fails in its second validation step, while the validation loader is mid-iteration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3 * 8 * 8, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x.float().flatten(1)), y)
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("boom in validation_step")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy,extra", [("device", {"augment_ahead": 2}),
+                                            ("workers", {"num_workers": 1, "persistent_workers": False})])
+def test_a_fit_failing_in_validation_leaves_no_thread_or_worker(tmp_path, cache_dir, strategy, extra):
+    """A fit that failed in ``validation_step`` kept the validation loader's iteration that
+    Lightning's fetcher still held: its ``ahead`` thread (with its ready batches) or, for a
+    non-persistent loader, its worker processes outlived the fit (found by a review helper)."""
+    import threading
+    import time
+
+    import psutil
+    from _helpers import TinyDataModule, trainer
+
+    from lightning_fastdata import augment as A
+
+    def children() -> set[int]:
+        return {c.pid for c in psutil.Process().children(recursive=True)
+                if c.is_running() and c.status() != psutil.STATUS_ZOMBIE}
+
+    before = children()  # e.g. multiprocessing's resource tracker, started by an earlier test
+    dm = TinyDataModule(n=32, batch_size=4, cache_dir=str(cache_dir), device="cpu", strategy=strategy,
+                        eval_augment=A.RandomHorizontalFlip(), **extra)
+    with pytest.raises(RuntimeError, match="boom in validation_step"):
+        trainer(tmp_path, num_sanity_val_steps=0, limit_train_batches=2).fit(_FailingInValidation(), dm)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("lightning_fastdata-ahead")]
+        workers = sorted(children() - before)
+        if not threads and not workers:
+            break
+        time.sleep(0.1)
+    assert threads == [] and workers == []
