@@ -89,10 +89,12 @@ def worker_headroom(batch_nbytes: int, num_workers: int, prefetch_factor: int | 
     return MIN_HEADROOM + (2 * in_flight + 2 * ranks) * max(0, batch_nbytes)
 
 
-def too_small_message(needed: int, free: int, store_nbytes: int, refused: str | None = None) -> str:
+def too_small_message(needed: int, free: int, store_nbytes: int, refused: str | None = None,
+                      falling_back: bool = False) -> str:
     """The error text for a ``/dev/shm`` that cannot hold the stores; ``refused``: the kernel's
     reason when it refused space that ``/dev/shm`` reports free (a tmpfs size or inode limit, a
-    quota, a container's memory limit)."""
+    quota, a container's memory limit); ``falling_back``: the caller falls back to the disk
+    cache already (``shared_memory='auto'``), so the text does not suggest it."""
     if refused is not None:
         head = (f"lightning_fastdata: the kernel refused {refused}, although /dev/shm reports "
                 f"{fmt_bytes(free)} free: a size or inode limit of the tmpfs, a quota or the container's "
@@ -102,12 +104,12 @@ def too_small_message(needed: int, free: int, store_nbytes: int, refused: str | 
         head = (f"lightning_fastdata: /dev/shm has {fmt_bytes(free)} free, one shared copy of the stores "
                 f"needs {fmt_bytes(needed)} ({fmt_bytes(store_nbytes)} of data plus "
                 f"{fmt_bytes(needed - store_nbytes)} of headroom for batches in flight). ")
-    return (
-        head + "Enlarge /dev/shm "
-        f"(Docker: --shm-size={_suggest(needed)}; Kubernetes: an emptyDir volume with medium: "
-        "Memory mounted at /dev/shm), or pass shared_memory='auto' to fall back to the "
-        "memory-mapped disk cache, or shared_memory='off'"
-    )
+    fix = (f"Enlarge /dev/shm (Docker: --shm-size={_suggest(needed)}; Kubernetes: an emptyDir volume "
+           "with medium: Memory mounted at /dev/shm)")
+    if falling_back:
+        return head + fix + ", or pass shared_memory='off' to go without this attempt"
+    return (head + fix + ", or pass shared_memory='auto' to fall back to the memory-mapped disk cache, "
+            "or shared_memory='off'")
 
 
 def _suggest(needed: int) -> str:
@@ -459,13 +461,21 @@ def _open_locked(path: Path) -> int:
 
 
 def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, Any]],
-            store: Store) -> Segment:
+            store: Store, falling_back: bool = False) -> Segment:
     """Create, reserve and fill one segment (leader only); nothing is left on any error.
 
     The descriptor keeps the shared lock of :func:`_open_locked` for the segment's life.
     """
     path = SHM_DIR / name
-    fd = _open_locked(path)
+    try:
+        fd = _open_locked(path)
+    except OSError as e:
+        # A tmpfs out of inodes (nr_inodes) or a quota refuses the file itself, with bytes free.
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SharedMemoryError(too_small_message(
+                size + MIN_HEADROOM, shm_free_bytes(), store.nbytes, refused=f"a new file {name} ({e.strerror})",
+                falling_back=falling_back)) from e
+        raise
     mm = None
     try:
         try:
@@ -474,7 +484,7 @@ def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, An
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 raise SharedMemoryError(too_small_message(
                     size + MIN_HEADROOM, shm_free_bytes(), store.nbytes,
-                    refused=f"{fmt_bytes(size)} for {name} ({e.strerror})")) from e
+                    refused=f"{fmt_bytes(size)} for {name} ({e.strerror})", falling_back=falling_back)) from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, size)  # a filesystem without fallocate: size only, checked up front
@@ -711,7 +721,7 @@ def share_stores(
                 needed = total + headroom
                 data = sum(s.nbytes for s in stores.values())
                 if needed > free:
-                    outcome.update(error=too_small_message(needed, free, data), short=True)
+                    outcome.update(error=too_small_message(needed, free, data, falling_back=fallback), short=True)
                 else:
                     token = secrets.token_hex(8)
                     outcome["token"] = token
@@ -719,7 +729,8 @@ def share_stores(
                     guard.enter_context(_unlink_on_sigterm([SHM_DIR / n for n in names.values()]))
                     try:
                         for s in splits:
-                            segments[s] = _create(names[s], sizes[s], token, fps[s], layouts[s], stores[s])
+                            segments[s] = _create(names[s], sizes[s], token, fps[s], layouts[s], stores[s],
+                                                  falling_back=fallback)
                             outcome["names"][s] = names[s]
                     except SharedMemoryError as e:
                         outcome.update(error=str(e), short=True)

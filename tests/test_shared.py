@@ -206,6 +206,26 @@ def test_enospc_from_reservation_is_the_same_error_and_leaves_nothing(monkeypatc
     assert _shm_names() == set()
 
 
+def test_no_inode_left_in_dev_shm_is_the_too_small_case(monkeypatch):
+    """A tmpfs out of inodes (``nr_inodes``) refuses the segment's file itself with ENOSPC while
+    bytes are free: ``shared_memory='auto'`` raised "creating a shared-memory segment failed"
+    instead of falling back, and 'on' did not say why (found by a review helper). The
+    fallback's warning no longer suggests the 'auto' it is already running under."""
+    def no_inode(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(shared, "_open_locked", no_inode)
+    store = _store()
+    with pytest.raises(SharedMemoryError, match=r"the kernel refused a new file .*train \(No space left on "
+                                                r"device\), although /dev/shm reports .* inode limit.*"
+                                                r"shared_memory='auto' to fall back"):
+        share_stores({"train": store})
+    with pytest.warns(UserWarning, match="falling back") as caught:
+        assert share_stores({"train": store}, fallback=True) == {}
+    assert "shared_memory='auto'" not in str(caught[0].message)
+    assert _shm_names() == set() and type(store.fields[0]) is np.ndarray
+
+
 def _held_deleted_segments() -> list[str]:
     """Targets of this process's descriptors that point at an unlinked segment of this package."""
     out = []
