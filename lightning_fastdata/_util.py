@@ -45,7 +45,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-#: Where the CPU quota and topology are read (tests point them at a fake tree).
+#: Where the CPU quota, the memory limit and the topology are read (tests point them at a fake tree).
 CGROUP_ROOT, PROC_CGROUP, CPU_TOPOLOGY = "/sys/fs/cgroup", "/proc/self/cgroup", "/sys/devices/system/cpu"
 
 
@@ -63,39 +63,92 @@ def cpu_count() -> int:
     return max(1, min(allowed, math.ceil(quota))) if quota is not None else allowed
 
 
-def cgroup_cpu_quota() -> float | None:
-    """CPUs the process's cgroup quota allows (the tightest on its path up the hierarchy), or None.
+def _cgroup_dirs(v1_mounts: tuple[str, ...], controller: str) -> list[tuple[Path, bool]]:
+    """This process's cgroup directories, its own first then every ancestor, with whether each is v2.
 
-    cgroup v2: ``cpu.max`` ("max 100000" or "50000 100000"); v1: ``cpu.cfs_quota_us`` over
-    ``cpu.cfs_period_us`` in the cpu controller's mount (-1: none).
+    v2 is the ``0::/path`` line under ``CGROUP_ROOT``; v1 is the line naming ``controller``,
+    under each of ``v1_mounts`` (the controller's mount, e.g. ``cpu,cpuacct``).
     """
-    root = CGROUP_ROOT
     try:
         lines = Path(PROC_CGROUP).read_text().splitlines()
     except OSError:
-        return None
-    limits: list[float] = []
+        return []
+    dirs: list[tuple[Path, bool]] = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
         if controllers == "":
-            bases = [Path(root)]
-        elif "cpu" in controllers.split(","):
-            bases = [Path(root) / "cpu,cpuacct", Path(root) / "cpu"]
+            bases = [Path(CGROUP_ROOT)]
+        elif controller in controllers.split(","):
+            bases = [Path(CGROUP_ROOT) / mount for mount in v1_mounts]
         else:
             continue
         for base in bases:
             here = base / path.lstrip("/")
             while True:
-                limit = _read_quota(here, v2=controllers == "")
-                if limit is not None:
-                    limits.append(limit)
+                dirs.append((here, controllers == ""))
                 if here == base or base not in here.parents:
                     break
                 here = here.parent
+    return dirs
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs the process's cgroup quota allows (the tightest on its path up the hierarchy), or None.
+
+    cgroup v2: ``cpu.max`` ("max 100000" or "50000 100000"); v1: ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us`` in the cpu controller's mount (-1: none).
+    """
+    limits = [q for d, v2 in _cgroup_dirs(("cpu,cpuacct", "cpu"), "cpu") if (q := _read_quota(d, v2)) is not None]
     return min(limits) if limits else None
+
+
+#: At or above this a v1 ``memory.limit_in_bytes`` means "no limit" (the kernel writes
+#: PAGE_COUNTER_MAX pages, about 9.2e18 bytes, there).
+_V1_UNLIMITED = 1 << 62
+
+
+def cgroup_memory_limit() -> tuple[int, int] | None:
+    """The tightest memory limit on the process's cgroup path, and the bytes still free under it; or None.
+
+    cgroup v2: ``memory.max`` ("max": none) less ``memory.current``; v1:
+    ``memory.limit_in_bytes`` (a huge sentinel: none) less ``memory.usage_in_bytes``, in
+    the memory controller's mount. Inactive page cache (``memory.stat``) is not counted as
+    used: the kernel reclaims it before it kills (``docker stats`` counts it the same way).
+    """
+    found: tuple[int, int] | None = None
+    for d, v2 in _cgroup_dirs(("memory",), "memory"):
+        read = _read_memory(d, v2)
+        if read is not None:
+            found = read if found is None else (min(found[0], read[0]), min(found[1], read[1]))
+    return found
+
+
+def _read_memory(directory: Path, v2: bool) -> tuple[int, int] | None:
+    limit_file, usage_file, inactive = (("memory.max", "memory.current", "inactive_file") if v2 else
+                                        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    try:
+        text = (directory / limit_file).read_text().strip()
+        if text == "max":
+            return None
+        limit = int(text)
+    except (OSError, ValueError):
+        return None
+    if limit >= _V1_UNLIMITED:
+        return None
+    try:
+        used = int((directory / usage_file).read_text())
+    except (OSError, ValueError):
+        return limit, limit  # usage unknown: the caller still caps by the host's available memory
+    try:
+        stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines()
+                    if line.count(" ") == 1)
+        used -= int(stat.get(inactive, 0))
+    except (OSError, ValueError):
+        pass
+    return limit, max(0, limit - max(0, used))
 
 
 def _read_quota(directory: Path, v2: bool) -> float | None:

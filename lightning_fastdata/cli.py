@@ -50,7 +50,8 @@ from lightning_fastdata._util import atomic_write_text, fmt_bytes
 from lightning_fastdata.autotune import shutdown_workers, time_loader
 from lightning_fastdata.caches import CacheInfo, list_caches, prune_caches
 from lightning_fastdata.datamodule import OptimizedDataModule, default_cache_dir
-from lightning_fastdata.plan import Plan, PlanError, Resources, decide
+from lightning_fastdata.plan import Plan, PlanError, Resources, decide, ram_text
+from lightning_fastdata.structure import StoreError
 
 #: Strategies ``bench`` tries, in the order of the table.
 BENCH_STRATEGIES = ("device", "chunked", "workers")
@@ -174,23 +175,67 @@ def target(trainer_cfg: Any, dm: OptimizedDataModule) -> tuple[torch.device, int
     """The device and the number of local ranks the Trainer config asks for.
 
     ``data.device`` wins over ``trainer.accelerator``; ``devices`` may be an int, "auto",
-    -1, a list of ids or a string of them.
+    -1, a list of ids or a string of them. With ids, the device is the first of them
+    (``[1]`` trains on ``cuda:1``, as Lightning does), so the plan probes that GPU.
+
+    Raises:
+        PlanError: ``devices`` is none of those (a typo, 0, below -1), or ``data.device``
+            is not a device name.
     """
     accel = str(getattr(trainer_cfg, "accelerator", "auto") or "auto").lower()
     cuda = accel in ("gpu", "cuda") or (accel == "auto" and torch.cuda.is_available())
     devices: Any = getattr(trainer_cfg, "devices", "auto")
-    count = torch.cuda.device_count() if cuda else 1
-    if isinstance(devices, (list, tuple)):
-        n = len(devices)
-    elif isinstance(devices, str) and devices not in ("auto", "-1"):
-        parts = [p for p in devices.split(",") if p.strip()]
-        n = len(parts) if len(parts) > 1 or devices.endswith(",") else int(parts[0])
+    ids = _device_ids(devices)
+    if ids is not None:
+        n = len(ids)
     elif devices in ("auto", "-1", -1, None):
-        n = count if cuda else 1
+        n = torch.cuda.device_count() if cuda else 1
     else:
-        n = int(devices)
-    device = torch.device(dm.device) if dm.device else torch.device("cuda" if cuda else "cpu")
+        n = _device_count(devices)
+    if dm.device:
+        try:
+            device = torch.device(dm.device)
+        except RuntimeError as e:  # torch's "Expected one of cpu, cuda, ... device type at start of ..."
+            raise PlanError(f"data.init_args.device={dm.device!r} is not a device: use 'cpu', 'cuda' or "
+                            f"'cuda:<index>', or null to follow trainer.accelerator ({e})") from None
+    elif cuda:
+        device = torch.device("cuda", ids[0]) if ids else torch.device("cuda")
+    else:
+        device = torch.device("cpu")
     return device, max(1, n)
+
+
+_DEVICES_HELP = ("use an int > 0, -1 or 'auto' (every device), a list of device ids such as [0, 1], "
+                 "or a string of them such as '0,1' or '1,'")
+
+
+def _device_ids(devices: Any) -> list[int] | None:
+    """The device ids a list or a comma string names (Lightning reads "1," as [1]); None for a count."""
+    if isinstance(devices, (list, tuple)):
+        ids = list(devices)
+    elif isinstance(devices, str) and "," in devices:
+        ids = [p.strip() for p in devices.split(",") if p.strip()]
+    else:
+        return None
+    try:
+        ids = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise PlanError(f"trainer.devices={devices!r} names a device id that is not an integer; "
+                        f"{_DEVICES_HELP}") from None
+    if not ids or min(ids) < 0:
+        raise PlanError(f"trainer.devices={devices!r} names no device or a negative id; {_DEVICES_HELP}")
+    return ids
+
+
+def _device_count(devices: Any) -> int:
+    """A ``devices`` count (an int or a string of one) > 0; Lightning's fit refuses the rest."""
+    try:
+        n = int(devices)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise PlanError(f"trainer.devices={devices!r} is not a number of devices; {_DEVICES_HELP}")
+    return n
 
 
 def check_target(trainer_cfg: Any, dm: OptimizedDataModule, device: torch.device) -> None:
@@ -243,7 +288,7 @@ def describe_resources(r: Resources) -> str:
     """One paragraph on the machine the plan is for."""
     dev = "VRAM" if r.device_type == "cuda" else "RAM"
     return (f"cores: {r.physical_cores} physical, {r.logical_cores} logical (this process may use)\n"
-            f"RAM: {fmt_bytes(r.ram_total)} total, {fmt_bytes(r.ram_available)} available\n"
+            f"{ram_text(r)}: {fmt_bytes(r.ram_total)} total, {fmt_bytes(r.ram_available)} available\n"
             f"device: {r.device_type}, {dev} {fmt_bytes(r.device_total)} total, {fmt_bytes(r.device_free)} free\n"
             f"/dev/shm: {fmt_bytes(r.shm_free)} free\n"
             f"local ranks: {r.local_world_size}")
@@ -488,19 +533,57 @@ def _write_json(report: dict[str, Any], path: str | None, out: Any) -> None:
     print(f"\nwrote {dest}", file=out)
 
 
+def check_json_path(path: str | None) -> None:
+    """Refuse a ``--json`` path the report could not be written to, before anything is planned or timed.
+
+    Raises:
+        PlanError: the path is a directory, a parent is a file, or the nearest existing
+            parent is not writable.
+    """
+    if not path or path == "-":
+        return
+    dest = Path(path)
+    if dest.is_dir():
+        raise PlanError(f"--json {path} is a directory; name a file, e.g. --json {dest / 'report.json'}")
+    parent = dest.absolute().parent
+    while not parent.exists() and parent != parent.parent:  # the directories atomic_write_text will make
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PlanError(f"--json {path}: {parent} is a file, not a directory; name a path in a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PlanError(f"--json {path}: the directory {parent} is not writable; name a path you may write")
+
+
+def _in_cache_dir(error: OSError, dm: OptimizedDataModule) -> bool:
+    """Whether ``error`` is about a path under the data module's cache_dir (a bad cache_dir, not a bug)."""
+    root = Path(dm.cache_dir).absolute()
+    for name in (error.filename, error.filename2):
+        if name is not None:
+            path = Path(os.fsdecode(name)).absolute()
+            if path == root or root in path.parents:
+                return True
+    return False
+
+
 def _run_tool(tool: str, args: list[str]) -> None:
     cli = _ToolCLI(tool, args)
     cfg, dm = cli.config, cli.datamodule
-    device, ranks = target(cfg.trainer, dm)
     try:
+        device, ranks = target(cfg.trainer, dm)
         check_target(cfg.trainer, dm, device)
+        check_json_path(cfg.json)
         if tool == "plan":
             run_plan(dm, device, ranks, json_path=cfg.json)
         else:
             run_bench(dm, device, ranks, batches=cfg.batches, warmup=cfg.warmup, repeats=cfg.repeats,
                       progress=cfg.progress, json_path=cfg.json)
-    except PlanError as e:
+    except (PlanError, StoreError) as e:
+        # A StoreError names the cache or sample and the fix (a cache_dir that is a file, say).
         cli.parser.error(str(e))
+    except OSError as e:
+        if not _in_cache_dir(e, dm):
+            raise
+        cli.parser.error(f"data.init_args.cache_dir={str(dm.cache_dir)!r} cannot be used: {e}")
 
 
 # --------------------------------------------------------------------------- fastdata cache
@@ -640,7 +723,13 @@ def main(args: list[str] | None = None) -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(1) from None
     elif argv[0] in _LIGHTNING or argv[0].startswith("-"):
-        FastDataCLI(args=argv)
+        try:
+            FastDataCLI(args=argv)
+        except StoreError as e:
+            # Raised by prepare_data inside Trainer.fit, past the parser: its message names the
+            # cache_dir or the sample and the fix, which a traceback would bury.
+            print(f"fastdata {argv[0]}: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     else:
         print(_USAGE, file=sys.stderr)
         print(f"fastdata: error: unknown subcommand {argv[0]!r}; choose one of {_LIGHTNING + _TOOLS + ('cache',)}",

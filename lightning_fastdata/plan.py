@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from lightning_fastdata._util import cpu_count, fmt_bytes, physical_cores
+from lightning_fastdata._util import cgroup_memory_limit, cpu_count, fmt_bytes, physical_cores
 
 STRATEGIES = ("auto", "device", "chunked", "workers")
 #: Placement levels, most device memory first; a failed placement falls back one level.
@@ -33,13 +33,15 @@ class Resources:
     Attributes:
         physical_cores: Physical CPU cores of the node (or those this process may use).
         logical_cores: Logical CPUs this process may run on.
-        ram_total: Node RAM in bytes.
-        ram_available: RAM available now, in bytes.
+        ram_total: Node RAM in bytes, or the container's memory limit where that is lower.
+        ram_available: RAM available now, in bytes (under the container's limit, if any).
         device_type: "cuda" or "cpu": where training runs.
         device_total: Total memory of this rank's device (RAM on a CPU run).
         device_free: Free memory of this rank's device (available RAM on a CPU run).
         shm_free: Free bytes in /dev/shm (0 when absent).
         local_world_size: Training processes on this node.
+        ram_limit: The cgroup memory limit (a container's ``--memory``) that lowered
+            ``ram_total``, in bytes; 0 when the node's RAM is the bound.
     """
 
     physical_cores: int
@@ -51,24 +53,40 @@ class Resources:
     device_free: int
     shm_free: int
     local_world_size: int = 1
+    ram_limit: int = 0
+
+
+def ram_text(r: Resources) -> str:
+    """``"RAM"``, or ``"RAM (the container's memory limit)"`` when a cgroup limit bounds it."""
+    return "RAM (the container's memory limit)" if r.ram_limit else "RAM"
 
 
 def probe_resources(device: torch.device | str = "cpu", local_world_size: int = 1) -> Resources:
-    """Read the machine: CPU cores (affinity-aware), RAM, this rank's device memory, /dev/shm."""
+    """Read the machine: CPU cores (affinity-aware), RAM, this rank's device memory, /dev/shm.
+
+    RAM is the node's (psutil), capped by the cgroup memory limit of a container: the host's
+    /proc/meminfo does not see it, and a plan over the host's RAM ends in an OOM kill.
+    """
     device = torch.device(device)
     logical = cpu_count()
     physical = physical_cores()
     vm = psutil.virtual_memory()
+    ram_total, ram_available, ram_limit = int(vm.total), int(vm.available), 0
+    cgroup = cgroup_memory_limit()
+    if cgroup is not None:
+        if cgroup[0] < ram_total:
+            ram_total = ram_limit = cgroup[0]
+        ram_available = min(ram_available, cgroup[1])
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     else:
-        free, total = vm.available, vm.total
+        free, total = ram_available, ram_total
     try:
         shm_free = shutil.disk_usage("/dev/shm").free
     except OSError:
         shm_free = 0
-    return Resources(physical, logical, vm.total, vm.available, device.type, int(total), int(free),
-                     int(shm_free), max(1, local_world_size))
+    return Resources(physical, logical, ram_total, ram_available, device.type, int(total), int(free),
+                     int(shm_free), max(1, local_world_size), ram_limit)
 
 
 @dataclass
@@ -126,7 +144,7 @@ def _budget(resources: Resources, vram_fraction: float) -> tuple[int, str]:
     by_fraction = int(vram_fraction * resources.device_total) // ranks
     margin = VRAM_MARGIN_BYTES if cuda else 0
     by_free = max(0, resources.device_free - margin) // ranks
-    what = "VRAM" if cuda else "RAM"
+    what = "VRAM" if cuda else ram_text(resources)
     why = (f"{vram_fraction * 100:g}% of {fmt_bytes(resources.device_total)} {what}"
            + (f" / {ranks} local ranks (each keeps its own copy)" if ranks > 1 else "")
            + f" = {fmt_bytes(by_fraction)}, free {fmt_bytes(resources.device_free)}"
@@ -143,9 +161,10 @@ def _chunk_mode(store_nbytes: int, resources: Resources) -> str:
 def _chunk_mode_reason(mode: str, store_nbytes: int, resources: Resources) -> str:
     if mode == "block":
         return (f"block: store {fmt_bytes(store_nbytes)} exceeds the {fmt_bytes(resources.ram_available)} "
-                "of RAM available; contiguous blocks in shuffled order, shuffled within a window")
-    return (f"global: store {fmt_bytes(store_nbytes)} within the {fmt_bytes(resources.ram_available)} of RAM "
-            "available; chunks follow the epoch's permutation (same batches as the device strategy)")
+                f"of {ram_text(resources)} available; contiguous blocks in shuffled order, shuffled within a window")
+    return (f"global: store {fmt_bytes(store_nbytes)} within the {fmt_bytes(resources.ram_available)} of "
+            f"{ram_text(resources)} available; chunks follow the epoch's permutation (same batches as the device "
+            "strategy)")
 
 
 def _chunk_bytes(store_nbytes: int, budget: int, batch_nbytes: int = 0) -> int:
@@ -170,7 +189,8 @@ def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any
         resources: The snapshot to decide from.
         config: The user's settings: ``strategy``, ``vram_fraction``, ``num_workers``
             ("auto", "measure" or a value), ``pin_memory``, ``prefetch_factor``,
-            ``persistent_workers`` ("auto" or a value), and ``batch_nbytes`` (bytes of the
+            ``persistent_workers`` ("auto" or a value), ``store`` (False: the user opted
+            out of the store, said in the reason), and ``batch_nbytes`` (bytes of the
             largest batch; a chunk must hold one, and the workers' RAM and /dev/shm caps
             count it).
 
@@ -186,11 +206,16 @@ def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any
     budget, why = _budget(resources, fraction)
     chunk = 0
     if store_nbytes is None:
+        # store=False is the user's choice; otherwise a split's samples had no array form.
+        opted_out = config.get("store", True) is False
         if strategy not in ("auto", "workers"):
-            raise PlanError(f"strategy={strategy!r} needs a stored dataset, but the samples cannot be "
-                            "stored; use strategy='workers' or make static_transform return arrays")
+            raise PlanError(f"strategy={strategy!r} needs a stored dataset, but " +
+                            ("store=False; set store=True or use strategy='workers'" if opted_out else
+                             "the samples cannot be stored; use strategy='workers' or make static_transform "
+                             "return arrays"))
         chosen = "workers"
-        reasons["strategy"] = "samples cannot be stored: per-sample loading in DataLoader workers"
+        reasons["strategy"] = (f"{'store=False' if opted_out else 'samples cannot be stored'}: "
+                               "per-sample loading in DataLoader workers")
     else:
         store = fmt_bytes(store_nbytes)
         chunk = _chunk_bytes(store_nbytes, budget, batch_nbytes)
@@ -309,7 +334,8 @@ def _auto_workers(r: Resources, batch_nbytes: int | None, prefetch: int) -> tupl
     by_ram = ram // per_worker
     if by_ram < n:
         n = by_ram
-        why += (f"; capped to {n} by RAM: {WORKER_RAM_SHARE:.0%} of {fmt_bytes(r.ram_available)} available / "
+        why += (f"; capped to {n} by {ram_text(r)}: {WORKER_RAM_SHARE:.0%} of {fmt_bytes(r.ram_available)} "
+                f"available / "
                 f"{ranks} rank(s) = {fmt_bytes(ram)}, {fmt_bytes(per_worker)} per worker "
                 f"({fmt_bytes(WORKER_RAM_BYTES)} process + {prefetch} x {fmt_bytes(batch)} batches{guess})")
     # Worker batches reach the main process through /dev/shm; a full /dev/shm is a SIGBUS
@@ -392,6 +418,12 @@ def loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
         plan.pin_memory = False
         plan.reasons["pin_memory"] = ("False: the store lives on the device, batches never cross the "
                                       "host-to-device link (the configured True has no effect)")
+    elif pm is True and not cuda:
+        # Nothing crosses to a device: the chunked loader pins only for CUDA, and a pinned
+        # DataLoader would lock host pages for nothing. The plan says what runs.
+        plan.pin_memory = False
+        plan.reasons["pin_memory"] = ("False: no host-to-device copy to speed up (the configured True has no "
+                                      "effect: training runs on the CPU)")
     elif pm != "auto":
         plan.pin_memory = bool(pm)
         plan.reasons["pin_memory"] = f"{plan.pin_memory}: set by configuration"

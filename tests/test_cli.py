@@ -509,3 +509,91 @@ def test_bench_decodes_a_jpeg_field_without_an_augmentation(tmp_path, monkeypatc
     dm = PhotoModule(batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", encode={"0": "jpeg"}, progress=False)
     row = bench_strategy(dm, "device", torch.device("cpu"), 1, batches=2, warmup=1, repeats=1, progress=False)
     assert row["feasible"] and sum(decoded) >= 3 * 8  # warm-up + timed batches, every sample decoded
+
+
+@pytest.mark.parametrize("devices, expected", [([1], ("cuda:1", 1)), ("1,", ("cuda:1", 1)),
+                                               ("1,2", ("cuda:1", 2)), ([2, 0], ("cuda:2", 2)), (2, ("cuda", 2))])
+def test_target_is_the_first_gpu_id_that_trainer_devices_names(devices, expected):
+    device, ranks = target(SimpleNamespace(accelerator="gpu", devices=devices), SimpleNamespace(device=None))
+    assert (str(device), ranks) == expected
+
+
+def test_plan_and_bench_probe_the_gpu_that_trainer_devices_names(tmp_path, capsys, monkeypatch):
+    # devices: [1] probed 'cuda', the current device (GPU 0): with GPU 0 nearly full, plan said
+    # "chunked" while fit, on cuda:1 with 15 GB free, chose "device"; bench timed on cuda:0.
+    import lightning_fastdata.cli as cli
+
+    free = {0: (1 << 30) + 20_000, 1: 15 * 10**9}
+    probed = []
+
+    def mem_get_info(device=None):
+        index = torch.device(device).index if device is not None else None
+        probed.append(str(device))
+        return free[index or 0], 16 * 10**9
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    cfg = write_config(tmp_path, data={"device": None}, trainer={"accelerator": "gpu", "devices": [1]}, model=False)
+    main(["plan", "--config", cfg])
+    out = capsys.readouterr().out
+    assert probed and set(probed) == {"cuda:1"}
+    assert "15.0 GB free" in out and "strategy = device" in out
+    timed = []
+    monkeypatch.setattr(cli, "run_bench", lambda dm, device, ranks, **kw: timed.append((str(device), ranks)))
+    main(["bench", "--config", cfg])
+    assert timed == [("cuda:1", 1)]
+
+
+@pytest.mark.parametrize("devices", ["abc", "-2", "0", "1,x"])
+def test_a_bad_trainer_devices_is_a_parser_error_naming_it(tmp_path, capsys, devices):
+    # "abc" was a raw int() traceback; -2 and 0 were planned as one local rank, which fit refuses.
+    cfg = write_config(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", cfg, "--trainer.devices", devices])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"trainer.devices={devices!r}" in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists()  # refused before any cache was built
+
+
+@pytest.mark.parametrize("tool", ["plan", "bench", "fit"])
+def test_a_cache_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys, tool):
+    # The StoreError was raised by prepare_data, outside the parser's checks: exit 1 with a traceback.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cfg = write_config(tmp_path, data={"cache_dir": str(afile)})
+    with pytest.raises(SystemExit) as e:
+        main([tool, "--config", cfg])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cache_dir {afile} exists and is not a directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["adir", "afile/report.json"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_planning(tmp_path, capsys, where):
+    # A directory: the report printed, then IsADirectoryError; under a file: FileExistsError.
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    cfg = write_config(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", cfg, "--json", str(tmp_path / where)])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert f"--json {tmp_path / where}" in captured.err and "Traceback" not in captured.err
+    assert "## plan" not in captured.out and not (tmp_path / "cache").exists()
+
+
+def test_plan_says_the_ram_is_the_containers_memory_limit(tmp_path, capsys, monkeypatch):
+    from lightning_fastdata import _util
+
+    (tmp_path / "proc").write_text("0::/job\n")
+    (tmp_path / "cg" / "job").mkdir(parents=True)
+    (tmp_path / "cg" / "job" / "memory.max").write_text(f"{1 << 30}\n")
+    (tmp_path / "cg" / "job" / "memory.current").write_text(f"{100 << 20}\n")
+    monkeypatch.setattr(_util, "PROC_CGROUP", str(tmp_path / "proc"))
+    monkeypatch.setattr(_util, "CGROUP_ROOT", str(tmp_path / "cg"))
+    main(["plan", "--config", write_config(tmp_path)])
+    out = capsys.readouterr().out
+    assert "RAM (the container's memory limit): 1.1 GB total" in out
+    assert "60% of 1.1 GB RAM (the container's memory limit)" in out

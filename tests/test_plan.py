@@ -225,3 +225,76 @@ def test_hyperthread_siblings_count_as_one_physical_core(tmp_path, monkeypatch):
     monkeypatch.setattr(_util, "CPU_TOPOLOGY", str(tmp_path))
     monkeypatch.setattr(_util, "PROC_CGROUP", str(tmp_path / "none"))
     assert probe_resources("cpu").physical_cores == (len(allowed) + 1) // 2
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("proc,files,limit,available", [
+    # v2, docker --memory=1g: 300 MiB in use, 100 MiB of it inactive page cache (reclaimable).
+    ("0::/job\n", {"job/memory.max": f"{1024 * MiB}\n", "job/memory.current": f"{300 * MiB}\n",
+                   "job/memory.stat": f"anon {200 * MiB}\ninactive_file {100 * MiB}\n"}, 1024 * MiB, 824 * MiB),
+    # The tightest on the path: the parent's limit binds, the step's own is "max".
+    ("0::/job/step\n", {"job/memory.max": f"{512 * MiB}\n", "job/memory.current": f"{12 * MiB}\n",
+                        "job/step/memory.max": "max\n", "job/step/memory.current": f"{2 * MiB}\n"},
+     512 * MiB, 500 * MiB),
+    # v1: memory.limit_in_bytes less memory.usage_in_bytes in the memory controller's mount.
+    ("5:memory:/job\n", {"memory/job/memory.limit_in_bytes": f"{768 * MiB}\n",
+                         "memory/job/memory.usage_in_bytes": f"{68 * MiB}\n"}, 768 * MiB, 700 * MiB),
+])
+def test_ram_is_capped_by_the_containers_memory_limit(tmp_path, monkeypatch, proc, files, limit, available):
+    # Only the host's /proc/meminfo was read: a --memory=1g container on a 25 GB host planned an
+    # 8.6 GB store into "RAM" (strategy device on the CPU), which the kernel's OOM killer ends.
+    _cgroup_tree(tmp_path, proc, files, monkeypatch)
+    r = probe_resources("cpu")
+    assert (r.ram_total, r.ram_available) == (limit, available)
+    assert (r.device_total, r.device_free) == (limit, available)  # on the CPU the device is that RAM
+    assert r.ram_limit == limit
+    plan = decide(8 << 30, r, cfg(batch_nbytes=MiB))
+    assert plan.strategy == "chunked"
+    assert "RAM (the container's memory limit)" in plan.reasons["strategy"]
+
+
+@pytest.mark.parametrize("proc,files", [
+    ("0::/job\n", {"job/memory.max": "max\n", "job/memory.current": f"{300 * MiB}\n"}),
+    ("5:memory:/job\n", {"memory/job/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+                         "memory/job/memory.usage_in_bytes": f"{68 * MiB}\n"}),
+])
+def test_no_container_memory_limit_leaves_the_nodes_ram(tmp_path, monkeypatch, proc, files):
+    import psutil
+
+    _cgroup_tree(tmp_path, proc, files, monkeypatch)
+    r = probe_resources("cpu")
+    assert r.ram_limit == 0 and r.ram_total == psutil.virtual_memory().total
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "workers"])
+def test_a_configured_pin_memory_has_no_effect_on_a_cpu_run_and_the_plan_says_so(strategy):
+    # The plan said "True: set by configuration" while nothing was pinned (the chunked loader pins
+    # only for CUDA); the workers' DataLoader then pinned batches for a CPU model.
+    plan = decide(60 * GB, cpu(ram=64 * GB), cfg(strategy=strategy, pin_memory=True))
+    assert plan.strategy == strategy and plan.pin_memory is False
+    assert plan.reasons["pin_memory"].startswith("False:")
+    assert "(the configured True has no effect: training runs on the CPU)" in plan.reasons["pin_memory"]
+    assert decide(60 * GB, gpu(total=16 * GB), cfg(strategy=strategy, pin_memory=True)).pin_memory is True
+
+
+def test_a_cpu_workers_plan_reaches_the_dataloader_unpinned(cache_dir):
+    dm = TinyDataModule(n=64, batch_size=16, cache_dir=str(cache_dir), device="cpu", strategy="workers",
+                        num_workers=0, pin_memory=True)
+    dm.setup("fit")
+    try:
+        assert dm.plan.pin_memory is False
+        assert dm.train_dataloader().dataloader.pin_memory is False  # the torch DataLoader inside
+    finally:
+        dm.teardown("fit")
+
+
+def test_store_false_is_told_apart_from_samples_that_cannot_be_stored():
+    # Both read "samples cannot be stored", which sent a user who chose store=False hunting for
+    # a bad sample.
+    assert decide(None, cpu(), cfg(store=False)).reasons["strategy"] == (
+        "store=False: per-sample loading in DataLoader workers")
+    assert decide(None, cpu(), cfg()).reasons["strategy"].startswith("samples cannot be stored")
+    with pytest.raises(PlanError, match="store=False; set store=True or use strategy='workers'"):
+        decide(None, cpu(), cfg(strategy="device", store=False))
