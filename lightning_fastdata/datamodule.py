@@ -14,17 +14,19 @@ import functools
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from lightning_fastdata import augment as A
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
 from lightning_fastdata.augment import Batch, BatchTransform, starts_with_crop
@@ -79,6 +81,14 @@ _NOT_CACHED = frozenset({
     "ragged", "encode", "jpeg_quality", "max_side",
     "cuda_graphs", "keep_freed_memory",
 })
+#: What a run attaches to a data module, each with its value before any: a pickled copy (a spawned
+#: DataLoader worker's ``static_transform``, a ``ddp_spawn`` rank) gets these, not the Trainer (its
+#: strategy holds closures), the loaders (their worker processes) or the placed stores.
+_RUN_STATE: dict[str, Callable[[], Any]] = {
+    "trainer": lambda: None, "plan": lambda: None, "placement": lambda: None, "stores": dict, "_raw": dict,
+    "_stale": set, "_set_up": set, "_loaders": dict, "_made": dict, "_graphed": dict,
+    "_validation_iterated": lambda: False,
+}
 
 
 def default_cache_dir() -> str:
@@ -121,6 +131,7 @@ class OptimizedDataModule(L.LightningDataModule):
         shuffle: Shuffle the training split every epoch.
         drop_last: Drop the last partial training batch (and truncate rank shards).
         seed: Base seed of the sample order and of the augmentation (keyed per sample), in [0, 2**64).
+            The order is ``DistributedSampler``'s (``seed + epoch``, low 32 bits: docs/seeding.md).
             Lightning's ``seed_everything`` does not change it: a sweep over seeds sets this one
             (e.g. ``--data.seed`` next to ``--seed_everything`` in a LightningCLI run).
         train_augment: Batched on-device transform for training batches.
@@ -213,6 +224,12 @@ class OptimizedDataModule(L.LightningDataModule):
         _check_auto_int("prefetch_factor", prefetch_factor, 1)
         _check_auto_bool("pin_memory", pin_memory)
         _check_auto_bool("persistent_workers", persistent_workers)
+        if device is not None:
+            try:
+                torch.device(device)
+            except (RuntimeError, TypeError) as e:  # found at setup otherwise, after the caches are built
+                raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1' (None: the "
+                                 f"Trainer's), got {device!r}") from e
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
             # Keys fold the seed modulo 2**64: seed 2**64 would replay seed 0's augmentation.
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
@@ -269,6 +286,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.augment_field = augment_field
         self.augment_ahead = augment_ahead
         self._warned_unsharded = False
+        self._warned_unkinded: set[str] = set()  # fields named once by _warn_unkinded_masks
         self.ragged = list(ragged) if ragged is not None else None
         self.encode = encode or None
         self.jpeg_quality = jpeg_quality
@@ -329,6 +347,18 @@ class OptimizedDataModule(L.LightningDataModule):
                 f"{cls.__name__}.load_from_checkpoint: the checkpoint keeps {' and '.join(missing)} as text (the "
                 f"augmentation's repr), which cannot be rebuilt; pass it again: "
                 f"{cls.__name__}.load_from_checkpoint(path, {given})") from e
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The configuration without the run's state (``_RUN_STATE``), for pickling.
+
+        ``store=False`` workers get ``static_transform`` bound to this module, so the "spawn"
+        start method pickles it; a copy is as if just made, and its ``setup`` opens the data again.
+        """
+        state = dict(self.__dict__)
+        for name, fresh in _RUN_STATE.items():
+            if name in state:
+                state[name] = fresh()
+        return state
 
     # ------------------------------------------------------------------ user hooks
 
@@ -515,6 +545,7 @@ class OptimizedDataModule(L.LightningDataModule):
             "strategy": self.strategy, "vram_fraction": self.vram_fraction,
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
             "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
+            "store": self.use_store,
             "batch_nbytes": max((sum(i.row_nbytes for i in st.infos) * self._batch_size(split)
                                  for split, st in self.stores.items()), default=0),
         }
@@ -614,8 +645,13 @@ class OptimizedDataModule(L.LightningDataModule):
                             device)
 
     def teardown(self, stage: str | None = None) -> None:
-        """Release device copies, shared memory and loaders of the stage's splits."""
-        for split in _STAGE_SPLITS.get(stage or "fit", ()):
+        """Release device copies, shared memory and loaders of the stage's splits, and of any
+        split whose loader this stage asked for (a fit's ``val_dataloader`` that also returns
+        the test split's loader)."""
+        stage = stage or "fit"
+        asked = [s for s, made in self._made.items()
+                 if any(request is not None and request[0] == stage for request, _ in made)]
+        for split in dict.fromkeys([*_STAGE_SPLITS.get(stage, ()), *asked]):
             self._stale.add(split)
             self._loaders.pop(split, None)
             for _, made in self._made.pop(split, []):
@@ -1065,6 +1101,7 @@ class OptimizedDataModule(L.LightningDataModule):
             augment = "train_augment" if split == "train" else "eval_augment"
             if getattr(self, augment) is not None:
                 self._check_augmented_shapes(split, store, augment)
+                self._warn_unkinded_masks(split, store, augment)
 
     def _check_augmented_shapes(self, split: str, store: Store, augment: str) -> None:
         """Refuse, at setup, an image (mask) field whose samples have too few dimensions to be one.
@@ -1086,6 +1123,40 @@ class OptimizedDataModule(L.LightningDataModule):
                     "more: name each field's kind in field_kinds (e.g. {'image': 'image', 'label': 'other'}), "
                     "or add the channel dimension in static_transform (x[None])"
                 )
+
+    def _warn_unkinded_masks(self, split: str, store: Store, augment: str) -> None:
+        """Warn once per field of a field kept ``other`` by default (not named in ``field_kinds``
+        or by ``augment_field``) that has the image's spatial size when ``augment`` moves pixels.
+
+        No op moves an ``other`` field: a per-pixel label left so stays put while its image is
+        flipped or cropped, silently. Ragged sizes are compared sample by sample, from the
+        shapes the store recorded; a JPEG field has none recorded, and is not compared.
+        """
+        if self.augment_field is not None or not _moves_pixels(getattr(self, augment)):
+            return
+        kinds, named = self.kinds(split), self.field_kinds or {}
+        image = next((k for k, i in enumerate(store.infos) if kinds.get(i.name) == "image"), None)
+        image_shapes = _sample_shapes(store, image) if image is not None else None
+        if image is None or image_shapes is None or image_shapes.shape[1] < 2:
+            return
+        spatial = image_shapes[:, 1:]  # (C, *spatial)
+        for k, info in enumerate(store.infos):
+            if kinds.get(info.name) != "other" or info.name in named or info.name in self._warned_unkinded:
+                continue
+            shapes = _sample_shapes(store, k)
+            if shapes is None or shapes.shape[1] < spatial.shape[1]:
+                continue
+            if not (shapes[:, shapes.shape[1] - spatial.shape[1]:] == spatial).all():
+                continue
+            self._warned_unkinded.add(info.name)
+            name, image_name = info.name, store.infos[image].name
+            rank_zero_warn(
+                f"lightning_fastdata: {augment} moves the '{split}' image field {image_name!r} and not the field "
+                f"{name!r}, which has the image's spatial size but the kind 'other' (its default: not named in "
+                f"field_kinds), and no op moves an 'other' field. If it is a per-pixel label, pass "
+                f"field_kinds={{{name!r}: 'mask'}} (moved with the image, nearest-neighbour); if not, "
+                f"field_kinds={{{name!r}: 'other'}} to silence this warning"
+            )
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -1143,6 +1214,29 @@ def _plan_text(plan: dict[str, Any], keys: list[str]) -> str:
             v = {s: f[:16] for s, f in v.items()}
         parts.append(f"{k}={v!r}")
     return ", ".join(parts)
+
+
+#: This package's ops that change pixel values, never where the pixels are.
+_PHOTOMETRIC = (A.ToDtype, A.Normalize, A.ColorJitter, A.RandomErasing, A.PointwiseIntensity,
+                A.RandomAdjustContrast, A.GaussianNoise)
+
+
+def _moves_pixels(op: Any) -> bool:
+    """Whether ``op`` may move pixels: anything but (sequences of) this package's photometric ops."""
+    if type(op) in (A.Compose, A.RandomApply):
+        return any(_moves_pixels(t) for t in op.transforms)
+    return not isinstance(op, _PHOTOMETRIC)
+
+
+def _sample_shapes(store: Store, k: int) -> np.ndarray | None:
+    """Field ``k``'s per-sample shapes, ``(N, ndim)`` (one row for a fixed-size field); None for
+    a JPEG field (its decoded size is not its stored one)."""
+    info = store.infos[k]
+    if info.encoding is not None:
+        return None
+    if info.ragged:
+        return np.asarray(store.fields[k].shapes)
+    return np.asarray(info.shape, dtype=np.int64).reshape(1, -1)
 
 
 def _unragged(batch: FastBatch) -> list[Any]:

@@ -192,19 +192,7 @@ class WorkerSeeding:
             raise TypeError(f"{type(sampler).__name__} has no set_epoch to follow")
         if getattr(original, "_lfd_follows", None) is self:
             return
-
-        def set_epoch(epoch: int) -> None:
-            original(epoch)
-            if self.held:
-                return
-            # Mirror the epoch the sampler took, not the one it was told: a held ShardedOrder
-            # keeps epoch 0 in an evaluation outside a fit, and its workers must too.
-            taken = getattr(sampler, "epoch", epoch)
-            ok = isinstance(taken, int) and not isinstance(taken, bool) and taken >= 0
-            self.set_epoch(taken if ok else int(epoch))
-
-        set_epoch._lfd_follows = self  # type: ignore[attr-defined]
-        sampler.set_epoch = set_epoch
+        sampler.set_epoch = _Following(sampler, original, self)
         current = getattr(sampler, "epoch", None)
         if isinstance(current, int) and current >= 0:
             self.set_epoch(current)
@@ -264,6 +252,33 @@ class WorkerSeeding:
             f"WorkerSeeding(seed={self.seed}, rank={self.rank}, split={self.split!r}, "
             f"epoch={self.epoch}, user_fn={self.user_fn!r})"
         )
+
+
+class _Following:
+    """A followed sampler's ``set_epoch``: the sampler's own, then the seeding's (see
+    :meth:`WorkerSeeding.follow`). A class, not a closure, so that the sampler still pickles
+    (``ddp_spawn``, "spawn" workers) and a deep copy moves the copied sampler and seeding."""
+
+    def __init__(self, sampler: Any, original: Callable[[int], None], seeding: WorkerSeeding) -> None:
+        self.sampler, self._lfd_follows = sampler, seeding
+        # The sampler's own method is kept unbound: a bound one pickles as getattr(sampler,
+        # "set_epoch"), which, read back after the sampler's state, would be this object.
+        self.unbound = getattr(original, "__self__", None) is sampler and hasattr(original, "__func__")
+        self.original = original.__func__ if self.unbound else original  # type: ignore[attr-defined]
+
+    def __call__(self, epoch: int) -> None:
+        if self.unbound:
+            self.original(self.sampler, epoch)
+        else:
+            self.original(epoch)
+        seeding = self._lfd_follows
+        if seeding.held:
+            return
+        # Mirror the epoch the sampler took, not the one it was told: a held ShardedOrder
+        # keeps epoch 0 in an evaluation outside a fit, and its workers must too.
+        taken = getattr(self.sampler, "epoch", epoch)
+        ok = isinstance(taken, int) and not isinstance(taken, bool) and taken >= 0
+        seeding.set_epoch(taken if ok else int(epoch))
 
 
 def _maybe_reseed() -> None:

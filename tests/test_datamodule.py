@@ -79,6 +79,8 @@ def test_cache_key_and_loader_settings(cache_dir):
     (dict(shuffle="false"), "shuffle must be True or False, got 'false'"),
     (dict(store="no"), "store must be True or False, got 'no'"),
     (dict(progress=1), "progress must be True or False, got 1"),
+    # Found at setup, after every cache was built, as torch's "Expected one of cpu, cuda, ...".
+    (dict(device="gpu"), "device must be a torch device such as 'cpu', 'cuda' or 'cuda:1' .* got 'gpu'"),
 ])
 def test_bad_config_names_the_parameter(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -1274,3 +1276,119 @@ def test_a_test_on_several_ranks_says_which_samples_it_counts_twice(tmp_path, mo
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*counted twice.*")
         test(16)  # nothing repeated
+
+
+@pytest.mark.parametrize("callback", [False, True])
+def test_store_false_workers_start_under_the_spawn_start_method(tmp_path, callback):
+    """``store=False`` hands its workers ``static_transform`` bound to the data module; under the
+    "spawn" start method (``ddp_spawn``'s ranks, macOS's default) that pickled the whole module,
+    its Trainer and loaders with it, and no worker started: "Can't pickle local object
+    'WorkerSeeding.follow.<locals>.set_epoch'" (with FastDataCallback, its process_dataloader)."""
+    import multiprocessing as mp
+    import pickle
+
+    from lightning_fastdata import FastDataCallback
+
+    dm = TinyDataModule(n=16, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu", store=False,
+                        strategy="workers", num_workers=1, val=False)
+    model = TinyModel(record=True)
+    before = mp.get_start_method(allow_none=True)
+    mp.set_start_method("spawn", force=True)
+    try:
+        callbacks = [FastDataCallback(print_report=False)] if callback else []
+        trainer(tmp_path, callbacks=callbacks).fit(model, dm)
+    finally:
+        mp.set_start_method(before, force=True)
+    assert sorted(y for _, ys in model.seen for y in ys.tolist()) == sorted(i % 4 for i in range(16))
+    # A copy is the configuration without the run: a fresh module whose setup opens its data again.
+    copy = pickle.loads(pickle.dumps(dm))
+    assert copy.trainer is None and copy.placement is None and not copy._loaders and copy.batch_size == 4
+    assert copy.static_transform((1, 2)) == (1, 2)
+
+
+class _VolumeAndLabel(torch.utils.data.Dataset):
+    """A volume with a per-voxel label of the same shape, in a dict."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return {"image": torch.randint(-1000, 2000, (1, 6, 6, 6), dtype=torch.int16, generator=g),
+                "label": torch.randint(0, 3, (1, 6, 6, 6), dtype=torch.uint8, generator=g)}
+
+
+class _VolumeAndLabelModule(TinyDataModule):
+    def source(self, split: str):
+        return _VolumeAndLabel() if split == "train" else None
+
+
+def test_a_field_shaped_like_the_image_left_other_by_default_is_named_at_setup(cache_dir):
+    """Without field_kinds every field after the first is 'other', which no op moves: a label
+    volume stayed as it was while its image was flipped, and nothing said so."""
+    flip = A.Compose([A.RandomFlip(dims=(-3, -2, -1), p=1.0)])
+
+    def setup(**kw):
+        dm = _VolumeAndLabelModule(batch_size=4, cache_dir=str(cache_dir), device="cpu", num_workers=0, **kw)
+        dm.setup("fit")
+        dm.teardown("fit")
+        return dm
+
+    with pytest.warns(UserWarning, match=r"train_augment moves the 'train' image field 'image' and not the field "
+                                         r"'label', .* field_kinds=\{'label': 'mask'\} .* field_kinds=\{'label': "
+                                         r"'other'\} to silence"):
+        dm = setup(train_augment=flip)
+    assert dm.kinds("train") == {"image": "image", "label": "other"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not the field.*")
+        for kw in (dict(field_kinds={"label": "mask"}), dict(field_kinds={"label": "other"}),
+                   dict(augment_field="image"),
+                   dict(train_augment=A.Compose([A.ToDtype("float32"), A.RandomScaleIntensity(0.1)]))):
+            setup(**{"train_augment": flip, **kw})
+
+
+def test_the_plan_says_store_false_was_the_users_choice(cache_dir):
+    """A ``store=False`` data module's plan read "samples cannot be stored", which sent its user
+    hunting for a sample that could not (found by a review helper)."""
+    dm = TinyDataModule(n=8, batch_size=4, cache_dir=str(cache_dir), device="cpu", store=False, val=False)
+    dm.setup("fit")
+    assert dm.plan.reasons["strategy"] == "store=False: per-sample loading in DataLoader workers"
+
+
+class _ValAndTest(TinyDataModule):
+    """A fit's validation also runs the test split (set up first, as the error without it says)."""
+
+    def source(self, split: str):
+        return CountingDataset(self.n, self.shape) if split in ("train", "val", "test") else None
+
+    def val_dataloader(self):
+        self.setup("test")
+        return [super().val_dataloader(), self.test_dataloader()]
+
+
+class _TwoValLoaders(TinyModel):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        pass
+
+
+def test_a_test_loader_a_fit_asked_for_ends_with_the_fit(tmp_path, cache_dir):
+    """The fit's teardown released the train and val splits only: a test loader its
+    ``val_dataloader`` returned kept its persistent workers (and the placed test store) after
+    ``trainer.fit`` returned, until a ``teardown("test")`` nobody calls (found by a review helper)."""
+    import time
+
+    import psutil
+
+    def children() -> set[int]:
+        return {c.pid for c in psutil.Process().children(recursive=True)
+                if c.is_running() and c.status() != psutil.STATUS_ZOMBIE}
+
+    before = children()
+    dm = _ValAndTest(n=16, batch_size=4, cache_dir=str(cache_dir), device="cpu", strategy="workers", num_workers=1,
+                     persistent_workers=True)
+    trainer(tmp_path, num_sanity_val_steps=0).fit(_TwoValLoaders(), dm)
+    deadline = time.monotonic() + 10
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(children() - before) == []
+    assert "test" not in dm.placement.sources and not dm._made

@@ -575,3 +575,23 @@ def test_ddp_ranks_augment_differently_and_reproducibly(tmp_path):
     assert not torch.equal(r0[:2], r0[2:]), "epoch 2 repeated epoch 1"
     second = _ddp_run(tmp_path, "b")
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_a_followed_sampler_pickles_and_its_copy_follows_its_own_seeding():
+    """``follow`` replaced the sampler's ``set_epoch`` with a closure: a followed sampler (and its
+    loader) could not be pickled ("Can't pickle local object 'WorkerSeeding.follow.<locals>.
+    set_epoch'": a ``ddp_spawn`` fit, a "spawn" worker), and a deep copy's ``set_epoch`` moved the
+    original sampler instead of the copy."""
+    import copy
+    import pickle
+
+    ds = Draws(8)
+    dl = DataLoader(ds, sampler=DistributedSampler(ds, num_replicas=2, rank=1, seed=0), num_workers=1)
+    S.install_worker_seeding(dl, seed=0, rank=1)
+    dl.sampler.set_epoch(2)
+    for again in (pickle.loads(pickle.dumps(dl)), copy.deepcopy(dl)):
+        again.sampler.set_epoch(5)
+        assert again.sampler.epoch == 5 and again.worker_init_fn.epoch == 5
+        assert dl.sampler.epoch == 2 and dl.worker_init_fn.epoch == 2
+        again.sampler.set_epoch(6)  # a copy pickles again
+        assert pickle.loads(pickle.dumps(again.sampler)).epoch == 6
