@@ -527,3 +527,22 @@ def test_a_finished_fit_leaves_no_segment_mapped_while_the_trainer_lives(tmp_pat
     gc.collect()
     assert t.train_dataloader is not None  # the Trainer still holds the loader
     assert _mapped_segments() == set()
+
+
+def test_a_data_module_set_up_with_shared_memory_pickles_as_if_just_made(cache_dir):
+    """``ddp_spawn`` pickles the data module into each rank: one set up first (to print its
+    plan, say) with a shared-memory segment failed on "cannot pickle 'mmap.mmap' object".
+    The copy leaves the run's state behind and sets up again (found by a review helper)."""
+    dm = _dm(cache_dir, shared_memory="on")
+    dm.setup("fit")
+    assert dm.placement.segments
+    copy = pickle.loads(pickle.dumps(dm))
+    assert copy.plan is None and copy.placement is None and copy.trainer is None
+    try:
+        copy.setup("fit")
+        want = {int(i): x for b in dm.train_dataloader() for x, i in zip(b[0], b[1].tolist(), strict=True)}
+        got = {int(i): x for b in copy.train_dataloader() for x, i in zip(b[0], b[1].tolist(), strict=True)}
+        assert want.keys() == got.keys() and all(torch.equal(want[i], got[i]) for i in want)
+    finally:
+        copy.teardown("fit")
+        dm.teardown("fit")
