@@ -43,6 +43,7 @@ from lightning_fastdata.loaders import (
     ShardedOrder,
     WorkerLoader,
     flatten_batch,
+    prepared_row_nbytes,
     transformed,
 )
 from lightning_fastdata.placement import (
@@ -287,6 +288,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.augment_ahead = augment_ahead
         self._warned_unsharded = False
         self._warned_unkinded: set[str] = set()  # fields named once by _warn_unkinded_masks
+        self._sent_nbytes: dict[str, tuple[Any, int]] = {}  # split -> (augment, bytes): _sent_row_nbytes
         self.ragged = list(ragged) if ragged is not None else None
         self.encode = encode or None
         self.jpeg_quality = jpeg_quality
@@ -546,9 +548,32 @@ class OptimizedDataModule(L.LightningDataModule):
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
             "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
             "store": self.use_store,
-            "batch_nbytes": max((sum(i.row_nbytes for i in st.infos) * self._batch_size(split)
+            "batch_nbytes": max((self._sent_row_nbytes(split, st) * self._batch_size(split)
                                  for split, st in self.stores.items()), default=0),
         }
+
+    def _sent_row_nbytes(self, split: str, store: Store) -> int:
+        """Bytes per sample of a batch a DataLoader worker sends: the stored row's, or on a CPU
+        run, where the workers augment, the augmented sample's when larger (sized from sample
+        0, once per split and augmentation); the /dev/shm headroom and the workers' caps count
+        it. Counted from the stored row only, a float32 ``Normalize`` output (4x) overran a
+        small /dev/shm, and torch's workers then hung the fit."""
+        stored = sum(i.row_nbytes for i in store.infos)
+        augment = self.train_augment if split == "train" else self.eval_augment
+        if augment is None or len(store) == 0 or self.target_device().type != "cpu":
+            return stored
+        known = self._sent_nbytes.get(split)
+        if known is not None and known[0] is augment:
+            return known[1]
+        names = [i.name for i in store.infos]
+        prepare = functools.partial(_prepared, augment=augment, seed=self.seed, stream=SPLITS.index(split),
+                                    kinds=self.kinds(split, names))
+        try:
+            sent = max(stored, prepared_row_nbytes(HostSource(list(store.fields)), store.spec, names, prepare))
+        except Exception:  # the first batch raises it where the user sees it: this is an estimate
+            sent = stored
+        self._sent_nbytes[split] = (augment, sent)
+        return sent
 
     def _batch_size(self, split: str) -> int:
         return self.batch_size if split == "train" else self.eval_batch_size

@@ -704,6 +704,15 @@ class _HostBatches(Dataset):
         return self.prepare(batch)
 
 
+def prepared_row_nbytes(source: HostSource, spec: dict, names: list[str],
+                        prepare: Callable[[FastBatch], FastBatch], row: int = 0) -> int:
+    """Bytes of sample ``row`` once a DataLoader worker has ``prepare``d it: what the worker
+    sends through ``/dev/shm``, which ``Normalize`` to float32 makes 4x the stored uint8 row and
+    a JPEG's decoding many times its bytes."""
+    batch = _HostBatches(source, spec, names, prepare).__getitems__(_Rows([row], 0, 0))
+    return sum(t.nbytes for leaf in batch.leaves for t in _leaf_tensors(leaf))
+
+
 class _Transformed(Dataset):
     """The raw source with the static transform applied per sample (when nothing can be stored)."""
 

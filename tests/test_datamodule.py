@@ -1392,3 +1392,22 @@ def test_a_test_loader_a_fit_asked_for_ends_with_the_fit(tmp_path, cache_dir):
         time.sleep(0.1)
     assert sorted(children() - before) == []
     assert "test" not in dm.placement.sources and not dm._made
+
+
+def test_the_batch_bytes_workers_send_count_their_augmentation_on_a_cpu_run(cache_dir):
+    """On a CPU run the workers augment and send the augmented batch through /dev/shm; its size
+    was taken from the stored uint8 row, 4x too small under a float32 ``Normalize``, so the
+    /dev/shm headroom and the workers' caps let a small /dev/shm overflow and the fit hang
+    (found by a review helper). A crop that keeps the size and dtype changes nothing."""
+    from lightning_fastdata import augment as A
+
+    row = 3 * 8 * 8 + 8  # uint8 image, int64 label
+    normalize = A.Normalize([0.5] * 3, [0.2] * 3)
+    dm = TinyDataModule(n=16, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False,
+                        train_augment=normalize)
+    dm.setup("fit")
+    assert dm.plan_config()["batch_nbytes"] == 4 * (4 * 3 * 8 * 8 + 8)
+    same = TinyDataModule(n=16, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False,
+                          train_augment=A.RandomCrop(8, padding=2))
+    same.setup("fit")
+    assert same.plan_config()["batch_nbytes"] == 4 * row
