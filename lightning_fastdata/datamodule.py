@@ -88,7 +88,7 @@ _NOT_CACHED = frozenset({
 _RUN_STATE: dict[str, Callable[[], Any]] = {
     "trainer": lambda: None, "plan": lambda: None, "placement": lambda: None, "stores": dict, "_raw": dict,
     "_stale": set, "_set_up": set, "_loaders": dict, "_made": dict, "_graphed": dict,
-    "_validation_iterated": lambda: False,
+    "_validation_iterated": lambda: False, "_resume_hint": lambda: None, "_train_position": lambda: None,
 }
 
 
@@ -289,6 +289,8 @@ class OptimizedDataModule(L.LightningDataModule):
         self._warned_unsharded = False
         self._warned_unkinded: set[str] = set()  # fields named once by _warn_unkinded_masks
         self._sent_nbytes: dict[str, tuple[Any, int]] = {}  # split -> (augment, bytes): _sent_row_nbytes
+        self._resume_hint: tuple[int, ...] | None = None  # the checkpoint's train position, for its loader
+        self._train_position: tuple[int, int, int] | None = None  # the last training loader's, at its teardown
         self.ragged = list(ragged) if ragged is not None else None
         self.encode = encode or None
         self.jpeg_quality = jpeg_quality
@@ -678,7 +680,9 @@ class OptimizedDataModule(L.LightningDataModule):
                  if any(request is not None and request[0] == stage for request, _ in made)]
         for split in dict.fromkeys([*_STAGE_SPLITS.get(stage, ()), *asked]):
             self._stale.add(split)
-            self._loaders.pop(split, None)
+            loader = self._loaders.pop(split, None)
+            if split == "train" and hasattr(loader, "state_dict"):
+                self._train_position = _position_of(loader)
             for _, made in self._made.pop(split, []):
                 _close(made)  # persistent workers must not outlive the stage (every loader made for it)
             if self.placement is not None:
@@ -818,6 +822,7 @@ class OptimizedDataModule(L.LightningDataModule):
             if split == "train" and hasattr(loader, "steps_in_flight"):
                 loader.steps_in_flight = self._train_steps_in_flight
                 loader.epoch_batches = self._train_epoch_batches
+                loader.resume_hint, self._resume_hint = self._resume_hint, None
             if split == "train":
                 self._warn_dataloader_iter()
         return loader
@@ -1197,8 +1202,15 @@ class OptimizedDataModule(L.LightningDataModule):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved in checkpoints: the data plan (see :meth:`data_plan`)."""
-        return {"data_plan": self.data_plan()}
+        """Saved in checkpoints: the data plan (see :meth:`data_plan`) and the training loader's
+        position (Lightning keeps its own copy; this one survives a resume that skips it)."""
+        state: dict[str, Any] = {"data_plan": self.data_plan()}
+        loader = self._loaders.get("train")
+        if hasattr(loader, "state_dict"):
+            self._train_position = _position_of(loader)
+        if self._train_position is not None:  # after the fit's teardown too (trainer.save_checkpoint)
+            state["train_position"] = list(self._train_position)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """On resume: warn, naming both plans, when this run's data plan differs from the checkpoint's."""
@@ -1209,6 +1221,8 @@ class OptimizedDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is not None and trainer.state.fn != "fit":
             return  # a test, validate or predict from a checkpoint resumes no batches: nothing to differ
+        position = state_dict.get("train_position")
+        self._resume_hint = tuple(int(v) for v in position) if position else None
         now = self.data_plan()
         differ = [k for k in _PLAN_KEYS if k in saved and not _same_plan_value(k, saved[k], now[k])]
         if not differ:
@@ -1304,6 +1318,12 @@ def _prepared(batch: FastBatch, augment: BatchTransform, seed: int, stream: int,
     """A DataLoader worker's prepare step (module-level, so a spawned worker can unpickle it)."""
     leaves = _augment_leaves(batch, augment, seed, stream, kinds)
     return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)
+
+
+def _position_of(loader: Any) -> tuple[int, int, int]:
+    """A training loader's ``(epoch, batches used, batches)``, as its checkpoint state says."""
+    state = loader.state_dict()
+    return int(state["epoch"]), int(state["batch"]), int(state["batches"])
 
 
 def _close(loader: Any) -> None:

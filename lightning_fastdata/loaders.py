@@ -337,6 +337,11 @@ class _Loader:
         self._tracking = False
         self._resume: tuple[int, int] | None = None
         self._resume_total: int | None = None  # batches in the checkpoint's epoch (its own configuration)
+        #: Set by the data module on resume: the training loader's ``(epoch, batch, batches)`` its
+        #: checkpoint recorded. Lightning restores a loader's position only when it resumes inside
+        #: that epoch; from where ``max_steps`` stopped it may go on with the next epoch without
+        #: a word, and this tells the first iteration what that skips.
+        self.resume_hint: tuple[int, int, int] | None = None
         #: Set by the data module: ``(epoch, batches transferred whose step has not finished)``
         #: from the Trainer's own progress, or None outside a fit. A checkpoint saved while a
         #: step is in flight (an exception, a preemption signal) must not count that batch as
@@ -413,22 +418,29 @@ class _Loader:
 
     def _start(self) -> int:
         start = 0
+        hint, self.resume_hint = self.resume_hint, None
         if self._resume is not None:
             epoch, start = self._resume
             self._resume = None
             if epoch != self.order.epoch:
-                self._warn_skipped(epoch, start)
+                self._warn_skipped(epoch, start, numbered_from=True)
                 start = 0
+        elif hint is not None and hint[0] < self.order.epoch:
+            self._resume_total = hint[2]
+            self._warn_skipped(hint[0], hint[1])
         self._yielded = self._consumed = start
         self._counted_epoch = self.order.epoch
         return start
 
-    def _warn_skipped(self, epoch: int, batch: int) -> None:
+    def _warn_skipped(self, epoch: int, batch: int, numbered_from: bool = False) -> None:
         """The Trainer resumed into another epoch than the checkpoint's position: say what is never seen.
 
-        Lightning does so from a checkpoint saved where ``max_steps`` stopped inside an epoch
-        (it goes on with the next epoch, numbering its batches from the stopped position);
-        with a plain DataLoader it warns, but not for a loader that restores its position.
+        Lightning does so from a checkpoint saved where ``max_steps`` stopped inside an epoch:
+        resumed under ``max_steps`` it restores this loader into the next epoch and numbers
+        that epoch's batches from the stopped position (``numbered_from``: it then ends the
+        epoch early); under ``max_epochs`` it counts the epoch as done and restores nothing
+        (the data module's ``resume_hint`` tells). With a plain DataLoader it warns, but not
+        for a loader that restores its position.
         """
         total = self._resume_total if self._resume_total is not None else len(self.order)
         limit = self.epoch_batches() if self.epoch_batches is not None else None
@@ -441,6 +453,9 @@ class _Loader:
             gap = self.order.epoch - epoch - 1
             skipped.append(f"epoch{'s' if gap > 1 else ''} {epoch + 1}"
                            + (f" to {self.order.epoch - 1}" if gap > 1 else ""))
+        if numbered_from and 0 < batch < total and self.order.epoch == epoch + 1:
+            skipped.append(f"batches {total - batch} to {total - 1} of epoch {self.order.epoch} (Lightning numbers its "
+                           f"batches from {batch} and ends it after {total - batch})")
         if skipped and D.rank() == 0:  # every rank skips the same batches of its shard: say it once
             warnings.warn(
                 f"lightning_fastdata: the checkpoint's training loader stopped at batch {batch} of {total} of "

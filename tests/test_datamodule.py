@@ -151,8 +151,10 @@ def test_resuming_where_max_steps_stopped_mid_epoch_warns_what_is_never_seen(tmp
     first.fit(TinyModel(), dm())
     first.save_checkpoint(tmp_path / "stopped.ckpt")
     with pytest.warns(UserWarning, match=r"the checkpoint's training loader stopped at batch 3 of 5 of epoch 0, but "
-                                         r"the Trainer goes on with epoch 1, so batches 3 to 4 of epoch 0 are never "
-                                         r"seen \(Lightning does this on resuming from where max_steps stopped"):
+                                         r"the Trainer goes on with epoch 1, so batches 3 to 4 of epoch 0 and batches "
+                                         r"2 to 4 of epoch 1 \(Lightning numbers its batches from 3 and ends it after "
+                                         r"2\) are never seen \(Lightning does this on resuming from where max_steps "
+                                         r"stopped"):
         trainer(tmp_path, max_steps=6, max_epochs=-1).fit(TinyModel(), dm(), ckpt_path=str(tmp_path / "stopped.ckpt"))
 
 
@@ -1411,3 +1413,34 @@ def test_the_batch_bytes_workers_send_count_their_augmentation_on_a_cpu_run(cach
                           train_augment=A.RandomCrop(8, padding=2))
     same.setup("fit")
     assert same.plan_config()["batch_nbytes"] == 4 * row
+
+
+@pytest.mark.parametrize("second,skipped", [
+    # Lightning counts a max_steps-ended epoch as done: it restored nothing and said nothing.
+    (dict(max_epochs=2), "batches 5 to 7 of epoch 0 are never seen"),
+    # It restores the loader into epoch 1 but numbers that epoch's batches from 5: 3 of 8 run.
+    (dict(max_steps=12, max_epochs=-1), "batches 5 to 7 of epoch 0 and batches 3 to 7 of epoch 1"),
+])
+def test_resuming_where_max_steps_stopped_says_which_batches_are_never_seen(tmp_path, cache_dir, second, skipped):
+    """A fit stopped by ``max_steps`` inside an epoch and continued from its checkpoint: under
+    ``max_epochs`` the rest of the epoch was skipped without a word, under ``max_steps`` the
+    warning left out the next epoch that Lightning cuts short (found by a review helper)."""
+    import warnings
+
+    def dm() -> TinyDataModule:
+        return TinyDataModule(n=32, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False)
+
+    first = trainer(tmp_path, max_steps=5, max_epochs=-1)
+    first.fit(TinyModel(), dm())
+    ckpt = str(tmp_path / "stopped.ckpt")
+    first.save_checkpoint(ckpt)
+    with pytest.warns(UserWarning, match=f"stopped at batch 5 of 8 of epoch 0, .* so {skipped}"):
+        trainer(tmp_path, **second).fit(TinyModel(), dm(), ckpt_path=ckpt)
+    # From an epoch's end nothing is skipped, and nothing is said.
+    done = trainer(tmp_path, max_epochs=1)
+    done.fit(TinyModel(), dm())
+    done.save_checkpoint(ckpt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, max_epochs=2).fit(TinyModel(), dm(), ckpt_path=ckpt)
+    assert not [w for w in caught if "never seen" in str(w.message)]

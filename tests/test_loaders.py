@@ -221,7 +221,8 @@ def test_resuming_into_another_epoch_warns_about_the_batches_never_seen():
     ld = stopped_at(0, 3)
     ld.set_epoch(1)  # as Lightning does from a max_steps stop
     with pytest.warns(UserWarning, match=r"stopped at batch 3 of 5 of epoch 0, but the Trainer goes on with epoch 1, "
-                                         r"so batches 3 to 4 of epoch 0 are never seen"):
+                                         r"so batches 3 to 4 of epoch 0 and batches 2 to 4 of epoch 1 \(Lightning "
+                                         r"numbers its batches from 3 and ends it after 2\) are never seen"):
         assert len(list(ld)) == 5
     ld = stopped_at(0, 5)
     ld.set_epoch(2)
