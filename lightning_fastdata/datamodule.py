@@ -400,8 +400,8 @@ class OptimizedDataModule(L.LightningDataModule):
         """Init arguments that can change what is cached: those of every class up to this one, minus loader settings.
 
         Values come from ``hparams`` when saved there, else from the attribute of the
-        same name (the usual ``self.root = root``); an argument kept under another name
-        is not seen (its effect on the outputs still shows in the probes).
+        same name (the usual ``self.root = root``); one kept under another name enters as
+        the attribute ``__init__`` set (``fingerprint.construction_attributes``).
         """
         import inspect
 

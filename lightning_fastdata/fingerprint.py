@@ -4,9 +4,11 @@ A :class:`Fingerprint` is a set of named components, each JSON-able and kept in 
 store's manifest, so that when a cache is rebuilt the warning can say what changed:
 
 ``code``
-    The bytecode and constants of the static transform and of the source's class
+    The bytecode and constants of the static transform, of the source's class
     (every method of its class and of its bases, except ``object``/``typing``/
-    ``torch.utils.data`` ones), recursively for the user's functions and classes they
+    ``torch.utils.data`` ones) and, when the static transform is a method of the user's
+    object (a data module), of that class's ``__init__`` and ``source`` (a constant
+    edited there changes what is cached too), recursively for the user's functions and classes they
     reach by global name (in any module of the project: a helper in another file too,
     and what the code reads from a project module it imports whole), and for the methods
     of the transform's own class it reaches through ``self``. Installed code (site-packages,
@@ -15,7 +17,10 @@ store's manifest, so that when a cache is rebuilt the warning can say what chang
     functions without a source file are seen.
 ``config``
     The data module's init arguments that can change what is cached (not its loader
-    settings), as canonical text.
+    settings), as canonical text; and, as ``self.<name>``, the construction-time attributes
+    of the object whose method the static transform is (:func:`construction_attributes`:
+    those the user's ``__init__`` sets and no other method of its classes assigns), so that
+    ``self.clip = kwargs.pop("clip")`` or ``self.prep = Prep(500)`` is seen by value.
 ``files``
     Path, size and ``mtime_ns`` of every file the source reads (a hook's list, or paths
     discovered on the dataset: ``ImageFolder.samples`` and the like).
@@ -29,14 +34,17 @@ store's manifest, so that when a cache is rebuilt the warning can say what chang
 ``cache_key``
     The user's escape hatch: any string.
 
-Only immutable values (numbers, strings, tuples, ...) enter through module globals,
-closures and defaults; mutable ones (lists, dicts, objects) enter by type only, because
-they often hold state (a memo, a counter) that would change the fingerprint between two
-calls in one process. This module imports nothing from the package but ``_util``.
+Only immutable values (numbers, strings, tuples and named tuples, frozen dataclasses, numpy
+scalars) and arrays or tensors up to :data:`MAX_GLOBAL_ARRAY` bytes (by content) enter
+through module globals, closures and defaults; mutable ones (lists, dicts, objects, larger
+arrays) enter by type only, because they often hold state (a memo, a counter) that would
+change the fingerprint between two calls in one process. This module imports nothing from
+the package but ``_util``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import enum
 import functools
@@ -67,6 +75,11 @@ _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _MAX_ARRAY_HASH = 256 << 20  # hash arrays up to this size whole; larger ones by 64 evenly spread slices
 _DISPLAY = 120  # characters of a config value kept for the "what changed" message
 _SKIP_BASES = ("builtins", "typing", "abc", "collections.abc")
+#: This package: its classes (``OptimizedDataModule``) are never the user's data module code.
+_PACKAGE = __name__.rpartition(".")[0]
+#: Arrays and tensors read as module globals, closures or defaults are hashed by content up to
+#: this size (a label remap table); larger ones enter by dtype and shape only.
+MAX_GLOBAL_ARRAY = 1 << 20
 #: Attributes of a source set at construction that decide what it returns (torchvision's
 #: conventions, ``Subset.indices``). Other attributes are not hashed: datasets often open
 #: handles lazily or memoise, which would change the fingerprint between two calls.
@@ -160,6 +173,8 @@ class Canon:
             return f"path:{str(obj)!r}"
         if depth > _MAX_DEPTH:
             return f"<{_qualname(t)} (nested too deep)>"
+        if isinstance(obj, tuple) and t is not tuple and t.__module__ != "torch":  # a NamedTuple (names: its class)
+            return self._record(obj, list(enumerate(obj)), mutable, depth)
         if t is tuple or t is frozenset or (mutable and isinstance(obj, (list, tuple, set, frozenset))):
             return self._sequence(obj, mutable, depth)
         if isinstance(obj, types.CodeType):
@@ -176,7 +191,18 @@ class Canon:
             return f"{t.__name__}:{obj}"
         if isinstance(obj, np.dtype):
             return f"dtype:{obj.str}"
+        if isinstance(obj, np.generic):  # a numpy scalar: immutable
+            return f"{name}:{obj.dtype.str}:{obj.tobytes().hex()}"
         if not mutable:
+            params = getattr(t, "__dataclass_params__", None)
+            if params is not None and params.frozen and not isinstance(obj, type):
+                return self._record(obj, [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)], mutable,
+                                    depth)
+            size = _array_nbytes(obj)
+            if size is not None:  # a small table read as a global: by content; a larger one by dtype and shape
+                head = f"{name}[{obj.dtype}{list(obj.shape)}]"
+                array = _as_array(obj) if size <= MAX_GLOBAL_ARRAY else None
+                return f"{head}:{_array_digest(array)}" if array is not None else f"<{head} not hashed>"
             return f"<{name}>"
         if isinstance(obj, Mapping):
             items = [(self.value(k, mutable, depth + 1), self.value(v, mutable, depth + 1)) for k, v in obj.items()]
@@ -187,6 +213,13 @@ class Canon:
         if _is_dataset(obj):  # as a source: never its lazily opened handles or counters
             return f"dataset:{name}[{_safe_len(obj)}]({self.value(_source_state(obj), True, depth + 1)})"
         return self._object(obj, name, depth)
+
+    def _record(self, obj: Any, items: Iterable[tuple[Any, Any]], mutable: bool, depth: int) -> str:
+        """A named tuple or frozen dataclass: its class and its fields (name or position, value), one by one."""
+        t = type(obj)
+        head = f"{_qualname(t)}[{_version(t.__module__)}]" if _is_library(t.__module__) else (
+            f"{_qualname(t)}:{self.klass(t)}")
+        return f"{head}(" + ", ".join(f"{k}={self.value(v, mutable, depth + 1)}" for k, v in items) + ")"
 
     def _sequence(self, obj: Any, mutable: bool, depth: int) -> str:
         kind = type(obj).__name__
@@ -221,11 +254,7 @@ class Canon:
             owner = fn.__self__ if not isinstance(fn.__self__, type) else None
             if owner is None:
                 return self.function(fn.__func__, owner=fn.__self__)
-            outer, self._instance = self._instance, owner
-            try:
-                return self.function(fn.__func__, owner=type(owner))
-            finally:
-                self._instance = outer
+            return self.bound(fn.__func__, owner)
         if isinstance(fn, functools.partial):
             args = self.value(fn.args, False) + self.value(fn.keywords, True)
             return _sha("partial", self.callable(fn.func), args)[:16]
@@ -235,6 +264,14 @@ class Canon:
             return f"{_qualname(fn)}[{_version(getattr(fn, '__module__', '') or 'builtins')}]"
         # a callable object (e.g. a transform pipeline): its class's code and its state
         return _sha("object", self.klass(type(fn)), self.value(fn, True))[:16]
+
+    def bound(self, fn: types.FunctionType, instance: Any) -> str:
+        """Digest of ``fn`` as a method of ``instance``: ``self.<name>`` reaches its attributes."""
+        outer, self._instance = self._instance, instance
+        try:
+            return self.function(fn, owner=type(instance))
+        finally:
+            self._instance = outer
 
     def function(self, fn: types.FunctionType, owner: type | None = None) -> str:
         """Digest of ``fn``'s code, defaults, closure and the same-module globals it reaches.
@@ -259,11 +296,17 @@ class Canon:
         try:
             parts = [name, self._code_digest(fn.__code__),
                      self.value(fn.__defaults__, False), self.value(fn.__kwdefaults__, False)]
-            for cell in fn.__closure__ or ():
+            for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
                 try:
-                    parts.append(self.value(cell.cell_contents, False))
+                    contents = cell.cell_contents
                 except ValueError:  # an empty cell
                     parts.append("<empty cell>")
+                    continue
+                if var == "__class__" and isinstance(contents, type):
+                    # super()'s cell: the method's own class, by name (its other methods are not this code)
+                    parts.append(f"__class__={_qualname(contents)}")
+                else:
+                    parts.append(self.value(contents, False))
             attrs = _attribute_names(fn.__code__)
             for gname in sorted(_global_names(fn.__code__)):
                 if gname in fn.__globals__:
@@ -353,7 +396,8 @@ class Canon:
 
     def _instance_attribute(self, owner: type, name: str) -> str:
         """``self.<name>`` set on the instance (not its class): a function's code, or the code
-        of a project class's object (a helper set in ``__init__``; its state does not enter)."""
+        of a project class's object (a helper set in ``__init__``; its state enters the config
+        component through :func:`construction_attributes`)."""
         instance = self._instance
         state = getattr(instance, "__dict__", None) if isinstance(instance, owner) else None
         if not state or name not in state:
@@ -389,6 +433,18 @@ def _as_array(obj: Any) -> np.ndarray | None:
             if str(t.dtype) == "torch.bfloat16":
                 t = t.float()
             return t.cpu().numpy()
+        except (RuntimeError, TypeError):
+            return None
+    return None
+
+
+def _array_nbytes(obj: Any) -> int | None:
+    """Bytes of an array or tensor without copying it; None for anything else."""
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "element_size") and hasattr(obj, "nelement"):
+        try:
+            return int(obj.element_size() * obj.nelement())
         except (RuntimeError, TypeError):
             return None
     return None
@@ -436,6 +492,11 @@ def _instructions(code: types.CodeType) -> Iterable[tuple[dis.Instruction, types
 
 def _global_names(code: types.CodeType) -> set[str]:
     return {ins.argval for ins, _ in _instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+            and isinstance(ins.argval, str)}
+
+
+def _stored_attribute_names(code: types.CodeType) -> set[str]:
+    return {ins.argval for ins, _ in _instructions(code) if ins.opname in ("STORE_ATTR", "DELETE_ATTR")
             and isinstance(ins.argval, str)}
 
 
@@ -535,23 +596,85 @@ def _sources(source: Any, depth: int = 0) -> list[Any]:
     return out
 
 
+def _user_classes(cls: type) -> list[type]:
+    """The classes of ``cls``'s MRO that are the user's: not installed code, not this package's."""
+    return [c for c in cls.__mro__ if c is not object and not _is_library(c.__module__)
+            and c.__module__ != _PACKAGE and not c.__module__.startswith(_PACKAGE + ".")]
+
+
+def _user_instance(transform: Any) -> Any:
+    """The object whose method ``transform`` is (the data module), when its class is the user's; else None."""
+    owner = getattr(transform, "__self__", None) if isinstance(transform, types.MethodType) else None
+    return owner if owner is not None and not isinstance(owner, type) and _user_classes(type(owner)) else None
+
+
+def construction_attributes(instance: Any) -> dict[str, Any]:
+    """Attributes that the ``__init__`` of ``instance``'s own classes sets (``self.clip = 500``,
+    ``self.prep = Prep(500)``) and no other method of those classes assigns: its configuration,
+    as opposed to state (``self.calls += 1`` in ``static_transform``, a dataset set in ``setup``).
+
+    An object of an installed package that is neither callable nor data (a logger, a client)
+    enters by its type: its state is not configuration and can change between two calls. A
+    transform pipeline (``T.Compose``), a dataset or an array enters by value.
+    """
+    state = getattr(instance, "__dict__", None)
+    if not isinstance(state, dict):
+        return {}
+    in_init: set[str] = set()
+    elsewhere: set[str] = set()
+    for cls in _user_classes(type(instance)):
+        for attr, value in vars(cls).items():
+            for fn in _functions_of(value):
+                (in_init if attr == "__init__" else elsewhere).update(_stored_attribute_names(fn.__code__))
+    out = {}
+    for name in sorted(in_init - elsewhere):
+        if name in state:
+            value = state[name]
+            out[name] = type(value) if _library_object(value) else value
+    return out
+
+
+def _library_object(value: Any) -> bool:
+    """An object of an installed package with state that is not data, nor a transform (a logger)."""
+    if not _is_library(type(value).__module__) or not isinstance(getattr(value, "__dict__", None), dict):
+        return False  # the user's object, a builtin value or container, a path
+    return not (callable(value) or _array_nbytes(value) is not None or _is_dataset(value)
+                or isinstance(value, enum.Enum) or dataclasses.is_dataclass(value))
+
+
 def code_component(transform: Callable[[Any], Any], source: Any, canon: Canon) -> dict[str, str]:
     """Digests of the static transform and the source's classes (roots), then every user function they reach.
 
+    When ``transform`` is a method of the user's object (``dm.static_transform``), the
+    ``__init__`` and ``source`` of its classes are hashed too: a constant edited there
+    (``Src(clip=500)`` in ``source``, ``self.clip = 500`` in ``__init__``) changes what is cached.
     Call it after the other components that use ``canon``: it also lists the code those met.
     """
     roots = {"static_transform": canon.callable(transform)}
+    owner = _user_instance(transform)
+    if owner is not None:
+        for cls in _user_classes(type(owner)):
+            for name in ("__init__", "source"):
+                for fn in _functions_of(vars(cls).get(name)):
+                    canon.bound(fn, owner)  # listed in canon.code under its qualified name
     for k, ds in enumerate(_sources(source)):
         roots[f"source class {_qualname(type(ds))}" + (f" #{k}" if k else "")] = canon.klass(type(ds))
     return {**roots, **dict(sorted(canon.code.items()))}
 
 
-def config_component(config: Mapping[str, Any] | None, canon: Canon) -> dict[str, str]:
-    """``{name: canonical text}``, long values shortened to a prefix and a digest of the whole."""
+def config_component(config: Mapping[str, Any] | None, canon: Canon,
+                     attributes: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """``{name: canonical text}``, long values shortened to a prefix and a digest of the whole.
+
+    ``attributes``: :func:`construction_attributes` of the data module, as ``self.<name>``;
+    one named like an init argument is left to the argument (the usual ``self.size = size``).
+    """
     out: dict[str, str] = {}
-    for key in sorted(config or {}):
-        text = canon.value(config[key])
-        out[str(key)] = text if len(text) <= _DISPLAY else f"{text[:60]}... sha256:{_sha(text)[:16]}"
+    values = {str(k): v for k, v in (config or {}).items()}
+    values.update({f"self.{k}": v for k, v in (attributes or {}).items() if k not in values})
+    for key in sorted(values):
+        text = canon.value(values[key])
+        out[key] = text if len(text) <= _DISPLAY else f"{text[:60]}... sha256:{_sha(text)[:16]}"
     return out
 
 
@@ -631,7 +754,7 @@ def make_fingerprint(transform: Callable[[Any], Any], source: Any, n: int, *, fo
     components: dict[str, Any] = {
         "format": format_version,
         "cache_key": cache_key,
-        "config": config_component(config, canon),
+        "config": config_component(config, canon, construction_attributes(_user_instance(transform))),
         "files": files_component(files),
         "source": source_component(source, n, canon),
         "probes": probes_component(spec, samples),

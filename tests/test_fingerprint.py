@@ -548,3 +548,164 @@ def test_the_code_of_a_helper_object_held_by_the_data_module_is_hashed():
     first = fingerprint(data, _WithHelper(_prep_class(5)()).static_transform, probes=4)[0]
     assert fingerprint(data, _WithHelper(_prep_class(5)()).static_transform, probes=4)[0] == first
     assert fingerprint(data, _WithHelper(_prep_class(6)()).static_transform, probes=4)[0] != first
+
+
+# --------------------------------------------------------------------------- the data module's own code and values
+
+
+_DM_TEMPLATE = '''
+import functools
+
+import torch
+from torch.utils.data import Dataset
+
+from lightning_fastdata import OptimizedDataModule
+{PRE}
+
+class Src(Dataset):
+    def __init__(self, clip=None):
+        self.clip = clip  # not a SOURCE_ATTRIBUTES name: only source()'s code shows it
+
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        x = torch.full((4,), 1000.0 if i == 17 else float(i % 10))
+        return x.clamp(max=self.clip) if self.clip is not None else x
+
+
+class DM(OptimizedDataModule):
+    def __init__(self, **kwargs):
+        super().__init__(progress=False, device="cpu", **kwargs)
+        {INIT}
+
+    def source(self, split):
+        return {SOURCE} if split == "train" else None
+
+    def static_transform(self, s):
+        return {BODY}
+'''
+# 100 samples, probes 0, 14, 28, ...: only sample 17 exceeds the clip, so only code and values can see it.
+_DM_VARIANTS = {
+    "source_arg": dict(SOURCE="Src(clip={v})", BODY="s"),
+    "inst_attr": dict(INIT="self.clip = {v}", BODY="s.clamp(max=self.clip)"),
+    "helper_obj": dict(PRE="class Prep:\n    def __init__(self, c):\n        self.c = c\n\n"
+                           "    def __call__(self, s):\n        return s.clamp(max=self.c)\n",
+                       INIT="self.prep = Prep({v})", BODY="self.prep(s)"),
+    "compose_clamp": dict(PRE="import torchvision.transforms.v2 as T\n",
+                          INIT="self.tf = T.Compose([T.Lambda(functools.partial(torch.clamp, max={v}))])",
+                          BODY="self.tf(s)"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(_DM_VARIANTS))
+def test_a_constant_edited_in_the_data_modules_init_or_source_rebuilds(variant, tmp_path, monkeypatch):
+    """A constant in the data module's ``__init__`` or ``source`` edited from 500 to 600 (only sample 17,
+    not a probe, changes): the old cache was reused silently (only static_transform and the source's
+    class were hashed, ``self.clip`` by name), serving 500 where the code gives 600."""
+    if variant == "compose_clamp":
+        pytest.importorskip("torchvision")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    name = f"fp_dm_{variant}"
+    parts = {"PRE": "", "INIT": "pass", "SOURCE": "Src()", **_DM_VARIANTS[variant]}
+    cache = str(tmp_path / "cache")
+
+    def build(value: int):
+        text = _DM_TEMPLATE
+        for key, part in parts.items():
+            text = text.replace("{" + key + "}", part.replace("{v}", str(value)))
+        dm = _write_module(tmp_path, name, text).DM(cache_dir=cache)
+        dm.prepare_data()
+        dm.setup("fit")
+        return dm
+
+    first = build(500)
+    assert float(first.stores["train"].fields[0][17][0]) == 500
+    with pytest.warns(UserWarning, match="fingerprint differs") as record:
+        dm = build(600)
+    (msg,) = _messages(record)
+    assert f"{name}.DM." in msg or "self." in msg  # it says what changed
+    assert float(dm.stores["train"].fields[0][17][0]) == 600 and float(dm.stores["train"].fields[0][16][0]) == 6
+    assert dm.stores["train"].path != first.stores["train"].path
+    sys.modules.pop(name, None)
+
+
+class _Popped(Counting):
+    """An argument taken from ``**kwargs`` (so not an init parameter ``_cache_config`` sees), kept as ``self.c``."""
+
+    def __init__(self, **kwargs) -> None:
+        clip = kwargs.pop("clip", 500)
+        super().__init__(**kwargs)
+        self.c = clip
+
+    def static_transform(self, sample):
+        self.calls += 1
+        image, i = sample
+        return (image.clamp(max=self.c - 400) if i == 17 else image), i
+
+
+def test_a_data_module_value_set_in_init_rebuilds_loader_settings_still_do_not(cache_dir):
+    """``DM(clip=500)`` then ``DM(clip=600)`` (``--data.clip 600``) with the value kept as ``self.c``: the
+    same cache was reused. Attributes the data module's ``__init__`` sets enter the config by value;
+    a counter that static_transform assigns (``self.calls``) and the loader settings do not."""
+    first = _Popped(cache_dir=str(cache_dir))
+    first.prepare_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rebuild
+        again = _Popped(cache_dir=str(cache_dir), batch_size=3, num_workers=2, strategy="workers", seed=7)
+        again.prepare_data()
+    assert again.calls == 8  # only the probes: reused
+    edited = _Popped(clip=600, cache_dir=str(cache_dir))
+    with pytest.warns(UserWarning, match=r"config changed \(self\.c: 500 -> 600\)"):
+        edited.prepare_data()
+    assert edited.calls == 64 + 2 * 8  # rebuilt
+
+
+_GLOBALS = {
+    "namedtuple": ("import typing\n\nclass Cfg(typing.NamedTuple):\n    clip: int\n\nCFG = Cfg({v})\n", "CFG.clip"),
+    "frozen_dataclass": ("import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass Cfg:\n    clip: int\n\n"
+                         "CFG = Cfg({v})\n", "CFG.clip"),
+    "ndarray": ("LUT = np.array([0, {v}])\n", "int(LUT[1])"),
+    "tensor": ("LUT = torch.tensor([0, {v}])\n", "int(LUT[1])"),
+    "numpy_scalar": ("CLIP = np.int64({v})\n", "int(CLIP)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_GLOBALS))
+def test_immutable_module_globals_and_small_tables_enter_by_value(kind, tmp_path, monkeypatch):
+    """A module-level NamedTuple, frozen dataclass, numpy scalar or small array/tensor (a label remap
+    table) read by the static transform entered by type only: editing 500 to 600, seen by sample 17
+    alone (not a probe), kept the same fingerprint."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    pre, read = _GLOBALS[kind]
+    template = ("import numpy as np\nimport torch\n\n" + pre + "\n\ndef transform(s):\n    image, i = s\n"
+                f"    return (image * 0 + {read} % 256 if i == 17 else image), i\n")
+    name = f"fp_global_{kind}"
+
+    def digest(value: int) -> str:
+        return fingerprint(Indexed(40), _write_module(tmp_path, name, template.replace("{v}", str(value))).transform,
+                           probes=4)[0]
+
+    base = digest(500)
+    assert digest(500) == base and digest(600) != base
+    sys.modules.pop(name, None)
+
+
+def test_a_module_level_array_over_the_limit_enters_by_type_only(tmp_path, monkeypatch):
+    """The documented limit (docs/cache.md): an array over ``MAX_GLOBAL_ARRAY`` is not hashed."""
+    from lightning_fastdata.fingerprint import MAX_GLOBAL_ARRAY
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    template = (f"import numpy as np\n\nBIG = np.full({MAX_GLOBAL_ARRAY // 8 + 1}, {{v}}, dtype=np.int64)\n\n"
+                "def transform(s):\n    image, i = s\n"
+                "    return (image * 0 + int(BIG[0]) % 256 if i == 17 else image), i\n")
+
+    def digest(value: int) -> str:
+        return fingerprint(Indexed(40), _write_module(tmp_path, "fp_global_big", template.replace("{v}", str(value)))
+                           .transform, probes=4)[0]
+
+    assert digest(500) == digest(600)
+    sys.modules.pop("fp_global_big", None)
