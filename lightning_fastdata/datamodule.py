@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import random
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -550,19 +551,26 @@ class OptimizedDataModule(L.LightningDataModule):
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
             "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers,
             "store": self.use_store,
-            "batch_nbytes": max((self._sent_row_nbytes(split, st) * self._batch_size(split)
+            "batch_nbytes": max((sum(i.row_nbytes for i in st.infos) * self._batch_size(split)
                                  for split, st in self.stores.items()), default=0),
+            # What a worker sends through /dev/shm (its caps and the shared-memory headroom);
+            # chunks hold stored rows and are sized by the stored batch above.
+            "sent_batch_nbytes": max((self._sent_row_nbytes(split, st) * self._batch_size(split)
+                                      for split, st in self.stores.items()), default=0),
         }
 
     def _sent_row_nbytes(self, split: str, store: Store) -> int:
-        """Bytes per sample of a batch a DataLoader worker sends: the stored row's, or on a CPU
-        run, where the workers augment, the augmented sample's when larger (sized from sample
-        0, once per split and augmentation); the /dev/shm headroom and the workers' caps count
-        it. Counted from the stored row only, a float32 ``Normalize`` output (4x) overran a
-        small /dev/shm, and torch's workers then hung the fit."""
+        """Bytes per sample of a batch a DataLoader worker sends: the stored row's (a ragged
+        field's mean), or where the workers may augment (a CPU run without a ``device`` or
+        ``chunked`` strategy), each field's scaled by how much the augmentation grows it in sample 0 (once
+        per split and augmentation, torch's and numpy's global generators left as they were);
+        the /dev/shm headroom and the workers' caps count it. Counted from the stored row
+        only, a float32 ``Normalize`` output (4x) overran a small /dev/shm, and torch's workers
+        then hung the fit."""
         stored = sum(i.row_nbytes for i in store.infos)
         augment = self.train_augment if split == "train" else self.eval_augment
-        if augment is None or len(store) == 0 or self.target_device().type != "cpu":
+        if (augment is None or len(store) == 0 or self.strategy in ("device", "chunked")
+                or self.target_device().type != "cpu"):
             return stored
         known = self._sent_nbytes.get(split)
         if known is not None and known[0] is augment:
@@ -570,10 +578,22 @@ class OptimizedDataModule(L.LightningDataModule):
         names = [i.name for i in store.infos]
         prepare = functools.partial(_prepared, augment=augment, seed=self.seed, stream=SPLITS.index(split),
                                     kinds=self.kinds(split, names))
+        source = HostSource(list(store.fields))
+        state = random.getstate(), np.random.get_state()
         try:
-            sent = max(stored, prepared_row_nbytes(HostSource(list(store.fields)), store.spec, names, prepare))
+            with torch.random.fork_rng(devices=[]):  # an augmentation not keyed by the samples draws
+                first = prepared_row_nbytes(source, store.spec, names, None)
+                grown = prepared_row_nbytes(source, store.spec, names, prepare)
+            # Each field's mean stored row grown as sample 0's was (a ragged field's first sample
+            # may be small; a label's bytes must not dilute an image's growth).
+            scaled = sum(-(-info.row_nbytes * g // max(1, f)) for info, f, g in zip(store.infos, first, grown,
+                                                                                   strict=True))
+            sent = max(stored, scaled)
         except Exception:  # the first batch raises it where the user sees it: this is an estimate
             sent = stored
+        finally:
+            random.setstate(state[0])
+            np.random.set_state(state[1])
         self._sent_nbytes[split] = (augment, sent)
         return sent
 
@@ -595,7 +615,7 @@ class OptimizedDataModule(L.LightningDataModule):
         plan = self.make_plan(device, local_world, splits={*splits, *placed})
         config = self.plan_config()
         todo = {s: st for s, st in self.stores.items() if s in splits and s not in placed}
-        sharing = Sharing(self.shared_memory, rank, local_rank, local_world, config["batch_nbytes"])
+        sharing = Sharing(self.shared_memory, rank, local_rank, local_world, config["sent_batch_nbytes"])
         placement = place(todo, plan, device, config, {s: self._batch_size(s) for s in todo},
                           world_size=self._rank_world()[1], sharing=sharing)
         if self.placement is not None:

@@ -720,12 +720,12 @@ class _HostBatches(Dataset):
 
 
 def prepared_row_nbytes(source: HostSource, spec: dict, names: list[str],
-                        prepare: Callable[[FastBatch], FastBatch], row: int = 0) -> int:
-    """Bytes of sample ``row`` once a DataLoader worker has ``prepare``d it: what the worker
-    sends through ``/dev/shm``, which ``Normalize`` to float32 makes 4x the stored uint8 row and
-    a JPEG's decoding many times its bytes."""
-    batch = _HostBatches(source, spec, names, prepare).__getitems__(_Rows([row], 0, 0))
-    return sum(t.nbytes for leaf in batch.leaves for t in _leaf_tensors(leaf))
+                        prepare: Callable[[FastBatch], FastBatch] | None, row: int = 0) -> list[int]:
+    """Bytes of each field of sample ``row`` as a DataLoader worker sends it: gathered, then
+    ``prepare``d if given (``Normalize`` to float32 makes 4x the stored uint8 row, a JPEG's
+    decoding many times its bytes)."""
+    out = _HostBatches(source, spec, names, prepare).__getitems__(_Rows([row], 0, 0))
+    return [sum(t.nbytes for t in _leaf_tensors(leaf)) for leaf in (out.leaves if isinstance(out, FastBatch) else out)]
 
 
 class _Transformed(Dataset):

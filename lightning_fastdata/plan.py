@@ -371,13 +371,14 @@ def _measure_candidates(best_guess: int) -> list[int]:
 def loader_params(plan: Plan, r: Resources, config: dict[str, Any]) -> None:
     """Loader settings, each with its reason; only ``workers`` uses worker processes.
 
-    ``config`` may carry ``batch_nbytes`` (bytes of one training batch) so that RAM and
-    /dev/shm caps count the batches in flight; without it a batch is assumed to be
+    ``config`` may carry ``batch_nbytes`` (bytes of one training batch) and
+    ``sent_batch_nbytes`` (of one a worker sends, augmented: it wins when given) so that RAM
+    and /dev/shm caps count the batches in flight; without them a batch is assumed to be
     :data:`UNKNOWN_BATCH_BYTES`.
     """
     nw = config.get("num_workers", "auto")
     pf = config.get("prefetch_factor", "auto")
-    batch_nbytes = config.get("batch_nbytes")
+    batch_nbytes = config.get("sent_batch_nbytes") or config.get("batch_nbytes")
     plan.num_workers_candidates = []
     one_in_flight = False  # the worker count is affordable only with one batch in flight each
     if plan.strategy != "workers":

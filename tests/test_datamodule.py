@@ -1400,7 +1400,10 @@ def test_the_batch_bytes_workers_send_count_their_augmentation_on_a_cpu_run(cach
     """On a CPU run the workers augment and send the augmented batch through /dev/shm; its size
     was taken from the stored uint8 row, 4x too small under a float32 ``Normalize``, so the
     /dev/shm headroom and the workers' caps let a small /dev/shm overflow and the fit hang
-    (found by a review helper). A crop that keeps the size and dtype changes nothing."""
+    (found by a review helper). Chunks hold stored rows: their size does not follow, and a crop
+    that keeps the size and dtype changes nothing."""
+    import random
+
     from lightning_fastdata import augment as A
 
     row = 3 * 8 * 8 + 8  # uint8 image, int64 label
@@ -1408,11 +1411,37 @@ def test_the_batch_bytes_workers_send_count_their_augmentation_on_a_cpu_run(cach
     dm = TinyDataModule(n=16, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False,
                         train_augment=normalize)
     dm.setup("fit")
-    assert dm.plan_config()["batch_nbytes"] == 4 * (4 * 3 * 8 * 8 + 8)
+    state = torch.random.get_rng_state(), random.getstate()
+    assert dm.plan_config()["sent_batch_nbytes"] == 4 * (4 * 3 * 8 * 8 + 8)
+    assert dm.plan_config()["batch_nbytes"] == 4 * row  # what a chunk must hold
+    assert torch.equal(torch.random.get_rng_state(), state[0]) and random.getstate() == state[1]
     same = TinyDataModule(n=16, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False,
                           train_augment=A.RandomCrop(8, padding=2))
     same.setup("fit")
-    assert same.plan_config()["batch_nbytes"] == 4 * row
+    assert same.plan_config()["sent_batch_nbytes"] == 4 * row
+    chunked = TinyDataModule(n=16, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False,
+                             train_augment=normalize, strategy="chunked")
+    chunked.setup("fit")
+    assert chunked.plan.strategy == "chunked" and chunked.plan_config()["sent_batch_nbytes"] == 4 * row
+
+
+class _Ragged(TinyDataModule):
+    """Sample 0 is 2x2, the others 8x8: a ragged image field."""
+
+    def source(self, split: str):
+        return [(torch.full((3, 2, 2) if i == 0 else (3, 8, 8), i, dtype=torch.uint8), i) for i in range(self.n)]
+
+
+def test_the_batch_bytes_workers_send_scale_a_ragged_fields_mean_row(cache_dir):
+    """Sample 0's augmented size against the stored mean row: a small first sample hid the 4x
+    growth of the rest (found by a review helper)."""
+    from lightning_fastdata import augment as A
+
+    dm = _Ragged(n=8, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False, ragged=["0"],
+                 train_augment=A.Normalize([0.5] * 3, [0.2] * 3))
+    dm.setup("fit")
+    stored = dm.plan_config()["batch_nbytes"]
+    assert dm.plan_config()["sent_batch_nbytes"] >= 3.5 * (stored - 4 * 8)
 
 
 @pytest.mark.parametrize("second,skipped", [
