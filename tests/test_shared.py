@@ -188,40 +188,33 @@ def test_too_small_falls_back_with_warning(monkeypatch):
     assert type(store.fields[0]) is np.ndarray
 
 
-def test_enospc_from_reservation_is_the_same_error_and_leaves_nothing(monkeypatch):
-    def full(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
+def _no_space(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+
+@pytest.mark.parametrize("where,refused", [
+    ("reservation", r".* for .*train.*"),
+    # A tmpfs out of inodes (nr_inodes) refuses the segment's file itself while bytes are free:
+    # "auto" raised "creating a shared-memory segment failed" instead of falling back, and "on"
+    # did not say why (found by a review helper).
+    ("file", r" a new file .*train "),
+])
+def test_enospc_is_the_too_small_case_and_leaves_nothing(monkeypatch, where, refused):
+    if where == "reservation":
+        monkeypatch.setattr(os, "posix_fallocate", _no_space)
+    else:
+        monkeypatch.setattr(shared, "_open_locked", _no_space)
     store = _store()
     # The kernel's refusal leads (its free space alone read as a contradiction: "25 GB free ...
     # needs 17 MB"), with the likely limits, then the fixes.
-    with pytest.raises(SharedMemoryError, match=r"the kernel refused .* for .*train.* \(No space left on device\), "
+    with pytest.raises(SharedMemoryError, match=f"the kernel refused{refused}" + r"\(No space left on device\), "
                                                 r"although /dev/shm reports .* free: a size or inode limit.*"
-                                                r"--shm-size="):
+                                                r"--shm-size=.*shared_memory='auto' to fall back"):
         share_stores({"train": store})
     assert _shm_names() == set()
-    with pytest.warns(UserWarning, match="falling back"):
-        assert share_stores({"train": store}, fallback=True) == {}
-    assert _shm_names() == set()
-
-
-def test_no_inode_left_in_dev_shm_is_the_too_small_case(monkeypatch):
-    """A tmpfs out of inodes (``nr_inodes``) refuses the segment's file itself with ENOSPC while
-    bytes are free: ``shared_memory='auto'`` raised "creating a shared-memory segment failed"
-    instead of falling back, and 'on' did not say why (found by a review helper). The
-    fallback's warning no longer suggests the 'auto' it is already running under."""
-    def no_inode(path):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-    monkeypatch.setattr(shared, "_open_locked", no_inode)
-    store = _store()
-    with pytest.raises(SharedMemoryError, match=r"the kernel refused a new file .*train \(No space left on "
-                                                r"device\), although /dev/shm reports .* inode limit.*"
-                                                r"shared_memory='auto' to fall back"):
-        share_stores({"train": store})
     with pytest.warns(UserWarning, match="falling back") as caught:
         assert share_stores({"train": store}, fallback=True) == {}
+    # The fallback's warning does not suggest the 'auto' it runs under.
     assert "shared_memory='auto'" not in str(caught[0].message)
     assert _shm_names() == set() and type(store.fields[0]) is np.ndarray
 
