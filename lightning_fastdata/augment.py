@@ -96,6 +96,10 @@ def _run(op: Callable, batch: Batch, keys: SampleKeys) -> Batch:
     return batch.map(image=op)
 
 
+def _any_moves_pixels(ops: Sequence[Callable]) -> bool:
+    return any(getattr(op, "moves_pixels", True) for op in ops)
+
+
 def _keys_for(batch: Batch, keys: SampleKeys | None, op: str) -> SampleKeys:
     """The keys an ``apply`` runs its ops with: ``keys`` (from ``draw``), else the batch's."""
     if keys is None:
@@ -238,6 +242,11 @@ class Compose(BatchTransform):
     def __init__(self, transforms: Sequence[BatchTransform]) -> None:
         self.transforms = _check_ops(transforms, "Compose")
 
+    @property
+    def moves_pixels(self) -> bool:  # type: ignore[override]
+        """Whether any of its ops may move pixels (a plain callable may)."""
+        return _any_moves_pixels(self.transforms)
+
     def make_params(self, batch: Batch) -> dict[str, Any]:
         """``keys``: the batch's keys, which the ops draw from (op i from ``keys.child(i)``)."""
         return {"keys": batch.keys}
@@ -306,6 +315,11 @@ class RandomApply(BatchTransform):
     def __init__(self, transforms: Sequence[BatchTransform], p: float = 0.5) -> None:
         self.transforms = _check_ops(transforms, "RandomApply")
         self.p = probability(p)
+
+    @property
+    def moves_pixels(self) -> bool:  # type: ignore[override]
+        """Whether any of its ops may move pixels (a plain callable may)."""
+        return _any_moves_pixels(self.transforms)
 
     def make_params(self, batch: Batch) -> dict[str, Any]:
         """``apply``: bool (N,), the samples that are transformed; ``keys``: the batch's keys,

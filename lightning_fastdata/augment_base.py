@@ -434,6 +434,10 @@ class BatchTransform:
 
     #: Whether ``make_params`` and ``apply_batch`` take ragged batches (lists of samples).
     lists = False
+    #: Whether the op may move pixels (crop, flip, resample), which mask fields follow; the
+    #: photometric ops, which only change values, say False (the data module warns at setup
+    #: of a mask-shaped field left ``other`` only under an augmentation that moves pixels).
+    moves_pixels = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -112,6 +112,8 @@ class ToDtype(BatchTransform):
         scale: Rescale between integer and float value ranges.
     """
 
+    moves_pixels = False
+
     def __init__(self, dtype: str = "float32", scale: bool = True) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -135,6 +137,8 @@ class Normalize(BatchTransform):
         std: One standard deviation per channel, all > 0.
         dtype: Output dtype for integer input ("float32", "float16", "bfloat16", "float64").
     """
+
+    moves_pixels = False
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], dtype: str = "float32") -> None:
         self.mean = list(float_seq(mean, "mean", "one number per channel (a sequence)"))
@@ -230,6 +234,8 @@ class ColorJitter(BatchTransform):
         contrast: As ``brightness``.
         saturation: As ``brightness``.
     """
+
+    moves_pixels = False
 
     _NAMES = ("brightness", "contrast", "saturation")
 
@@ -348,6 +354,8 @@ class RandomErasing(BatchTransform):
         value: Fill: a number, one number per channel, or "random" for standard normal
             noise per pixel (float images only).
     """
+
+    moves_pixels = False
 
     def __init__(self, p: float = 0.5, scale: Sequence[float] = (0.02, 0.33),
                  ratio: Sequence[float] = (0.3, 3.3), value: float | Sequence[float] | str = 0.0) -> None:

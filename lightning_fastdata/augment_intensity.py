@@ -57,6 +57,8 @@ class PointwiseIntensity(BatchTransform):
     on the same values, so the output is bit-identical to running the ops one by one.
     """
 
+    moves_pixels = False
+
     def steps(self, dtype: torch.dtype, **params: Any) -> list[Step]:
         """The steps on an image field of ``dtype``, at the drawn parameters."""
         raise NotImplementedError
@@ -224,6 +226,8 @@ class _RandomFactor(BatchTransform):
     """Shared draw of the per-sample intensity ops: with probability ``p``, a value uniform
     in ``self.range``; otherwise the neutral value."""
 
+    moves_pixels = False
+
     neutral = 0.0
     param = "factor"
 
@@ -355,6 +359,8 @@ class GaussianNoise(BatchTransform):
         sigma: Standard deviation of the noise, >= 0.
         clip: Clamp the result to the valid range ([0, 1], or [0, 255] for uint8).
     """
+
+    moves_pixels = False
 
     def __init__(self, mean: float = 0.0, sigma: float = 0.1, clip: bool = True) -> None:
         mean, sigma = finite_float(mean, "mean"), finite_float(sigma, "sigma")

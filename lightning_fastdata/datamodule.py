@@ -27,7 +27,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from lightning_fastdata import augment as A
 from lightning_fastdata import distributed as D
 from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
 from lightning_fastdata.augment import Batch, BatchTransform, starts_with_crop
@@ -1182,7 +1181,7 @@ class OptimizedDataModule(L.LightningDataModule):
         flipped or cropped, silently. Ragged sizes are compared sample by sample, from the
         shapes the store recorded; a JPEG field has none recorded, and is not compared.
         """
-        if self.augment_field is not None or not _moves_pixels(getattr(self, augment)):
+        if self.augment_field is not None or not getattr(getattr(self, augment), "moves_pixels", True):
             return
         kinds, named = self.kinds(split), self.field_kinds or {}
         image = next((k for k, i in enumerate(store.infos) if kinds.get(i.name) == "image"), None)
@@ -1273,18 +1272,6 @@ def _plan_text(plan: dict[str, Any], keys: list[str]) -> str:
             v = {s: f[:16] for s, f in v.items()}
         parts.append(f"{k}={v!r}")
     return ", ".join(parts)
-
-
-#: This package's ops that change pixel values, never where the pixels are.
-_PHOTOMETRIC = (A.ToDtype, A.Normalize, A.ColorJitter, A.RandomErasing, A.PointwiseIntensity,
-                A.RandomAdjustContrast, A.GaussianNoise)
-
-
-def _moves_pixels(op: Any) -> bool:
-    """Whether ``op`` may move pixels: anything but (sequences of) this package's photometric ops."""
-    if type(op) in (A.Compose, A.RandomApply):
-        return any(_moves_pixels(t) for t in op.transforms)
-    return not isinstance(op, _PHOTOMETRIC)
 
 
 def _sample_shapes(store: Store, k: int) -> np.ndarray | None:
