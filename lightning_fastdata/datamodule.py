@@ -400,8 +400,9 @@ class OptimizedDataModule(L.LightningDataModule):
         """Init arguments that can change what is cached: those of every class up to this one, minus loader settings.
 
         Values come from ``hparams`` when saved there, else from the attribute of the
-        same name (the usual ``self.root = root``); one kept under another name enters as
-        the attribute ``__init__`` set (``fingerprint.construction_attributes``).
+        same name (the usual ``self.root = root``); every other ``hparams`` entry that is not a
+        loader setting is added (``save_hyperparameters({"clip": clip})`` with ``clip`` taken
+        from ``**kwargs``). An argument kept only under another attribute name is not seen.
         """
         import inspect
 
@@ -419,6 +420,9 @@ class OptimizedDataModule(L.LightningDataModule):
                         config[p.name] = _config_value(vars(self)[p.name])
             if cls is OptimizedDataModule:
                 break
+        for name, value in hparams.items():
+            if name not in config and name not in _NOT_CACHED:
+                config[name] = _config_value(value)
         return config
 
     def _store_for(self, split: str, src: Any, verify: bool = True) -> Store | None:

@@ -17,10 +17,9 @@ store's manifest, so that when a cache is rebuilt the warning can say what chang
     functions without a source file are seen.
 ``config``
     The data module's init arguments that can change what is cached (not its loader
-    settings), as canonical text; and, as ``self.<name>``, the construction-time attributes
-    of the object whose method the static transform is (:func:`construction_attributes`:
-    those the user's ``__init__`` sets and no other method of its classes assigns), so that
-    ``self.clip = kwargs.pop("clip")`` or ``self.prep = Prep(500)`` is seen by value.
+    settings, and the data module's ``hparams``), as canonical text. Values an ``__init__``
+    keeps under other names are not read (they may differ per process or rank: a temporary
+    directory, ``LOCAL_RANK``); a constant written in ``__init__`` is in the ``code``.
 ``files``
     Path, size and ``mtime_ns`` of every file the source reads (a hook's list, or paths
     discovered on the dataset: ``ImageFolder.samples`` and the like).
@@ -396,8 +395,7 @@ class Canon:
 
     def _instance_attribute(self, owner: type, name: str) -> str:
         """``self.<name>`` set on the instance (not its class): a function's code, or the code
-        of a project class's object (a helper set in ``__init__``; its state enters the config
-        component through :func:`construction_attributes`)."""
+        of a project class's object (a helper set in ``__init__``; its state does not enter)."""
         instance = self._instance
         state = getattr(instance, "__dict__", None) if isinstance(instance, owner) else None
         if not state or name not in state:
@@ -492,11 +490,6 @@ def _instructions(code: types.CodeType) -> Iterable[tuple[dis.Instruction, types
 
 def _global_names(code: types.CodeType) -> set[str]:
     return {ins.argval for ins, _ in _instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-            and isinstance(ins.argval, str)}
-
-
-def _stored_attribute_names(code: types.CodeType) -> set[str]:
-    return {ins.argval for ins, _ in _instructions(code) if ins.opname in ("STORE_ATTR", "DELETE_ATTR")
             and isinstance(ins.argval, str)}
 
 
@@ -608,40 +601,6 @@ def _user_instance(transform: Any) -> Any:
     return owner if owner is not None and not isinstance(owner, type) and _user_classes(type(owner)) else None
 
 
-def construction_attributes(instance: Any) -> dict[str, Any]:
-    """Attributes that the ``__init__`` of ``instance``'s own classes sets (``self.clip = 500``,
-    ``self.prep = Prep(500)``) and no other method of those classes assigns: its configuration,
-    as opposed to state (``self.calls += 1`` in ``static_transform``, a dataset set in ``setup``).
-
-    An object of an installed package that is neither callable nor data (a logger, a client)
-    enters by its type: its state is not configuration and can change between two calls. A
-    transform pipeline (``T.Compose``), a dataset or an array enters by value.
-    """
-    state = getattr(instance, "__dict__", None)
-    if not isinstance(state, dict):
-        return {}
-    in_init: set[str] = set()
-    elsewhere: set[str] = set()
-    for cls in _user_classes(type(instance)):
-        for attr, value in vars(cls).items():
-            for fn in _functions_of(value):
-                (in_init if attr == "__init__" else elsewhere).update(_stored_attribute_names(fn.__code__))
-    out = {}
-    for name in sorted(in_init - elsewhere):
-        if name in state:
-            value = state[name]
-            out[name] = type(value) if _library_object(value) else value
-    return out
-
-
-def _library_object(value: Any) -> bool:
-    """An object of an installed package with state that is not data, nor a transform (a logger)."""
-    if not _is_library(type(value).__module__) or not isinstance(getattr(value, "__dict__", None), dict):
-        return False  # the user's object, a builtin value or container, a path
-    return not (callable(value) or _array_nbytes(value) is not None or _is_dataset(value)
-                or isinstance(value, enum.Enum) or dataclasses.is_dataclass(value))
-
-
 def code_component(transform: Callable[[Any], Any], source: Any, canon: Canon) -> dict[str, str]:
     """Digests of the static transform and the source's classes (roots), then every user function they reach.
 
@@ -662,19 +621,12 @@ def code_component(transform: Callable[[Any], Any], source: Any, canon: Canon) -
     return {**roots, **dict(sorted(canon.code.items()))}
 
 
-def config_component(config: Mapping[str, Any] | None, canon: Canon,
-                     attributes: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """``{name: canonical text}``, long values shortened to a prefix and a digest of the whole.
-
-    ``attributes``: :func:`construction_attributes` of the data module, as ``self.<name>``;
-    one named like an init argument is left to the argument (the usual ``self.size = size``).
-    """
+def config_component(config: Mapping[str, Any] | None, canon: Canon) -> dict[str, str]:
+    """``{name: canonical text}``, long values shortened to a prefix and a digest of the whole."""
     out: dict[str, str] = {}
-    values = {str(k): v for k, v in (config or {}).items()}
-    values.update({f"self.{k}": v for k, v in (attributes or {}).items() if k not in values})
-    for key in sorted(values):
-        text = canon.value(values[key])
-        out[key] = text if len(text) <= _DISPLAY else f"{text[:60]}... sha256:{_sha(text)[:16]}"
+    for key in sorted(config or {}):
+        text = canon.value(config[key])
+        out[str(key)] = text if len(text) <= _DISPLAY else f"{text[:60]}... sha256:{_sha(text)[:16]}"
     return out
 
 
@@ -754,7 +706,7 @@ def make_fingerprint(transform: Callable[[Any], Any], source: Any, n: int, *, fo
     components: dict[str, Any] = {
         "format": format_version,
         "cache_key": cache_key,
-        "config": config_component(config, canon, construction_attributes(_user_instance(transform))),
+        "config": config_component(config, canon),
         "files": files_component(files),
         "source": source_component(source, n, canon),
         "probes": probes_component(spec, samples),

@@ -632,23 +632,28 @@ def test_a_constant_edited_in_the_data_modules_init_or_source_rebuilds(variant, 
 
 
 class _Popped(Counting):
-    """An argument taken from ``**kwargs`` (so not an init parameter ``_cache_config`` sees), kept as ``self.c``."""
+    """An argument taken from ``**kwargs`` (so not an init parameter ``_cache_config`` sees) and saved
+    in ``hparams``; the loader settings kept as attributes too, as Lightning's tutorial writes them."""
 
     def __init__(self, **kwargs) -> None:
         clip = kwargs.pop("clip", 500)
         super().__init__(**kwargs)
-        self.c = clip
+        self.save_hyperparameters({"clip": clip})
+        self.batch_size, self.num_workers = kwargs.get("batch_size", 1), kwargs.get("num_workers", "auto")
+        self.scratch = f"/tmp/scratch-{id(self)}"  # differs per process (and rank): never read by the fingerprint
 
     def static_transform(self, sample):
         self.calls += 1
         image, i = sample
-        return (image.clamp(max=self.c - 400) if i == 17 else image), i
+        return (image.clamp(max=self.hparams["clip"] - 400) if i == 17 else image), i
 
 
-def test_a_data_module_value_set_in_init_rebuilds_loader_settings_still_do_not(cache_dir):
-    """``DM(clip=500)`` then ``DM(clip=600)`` (``--data.clip 600``) with the value kept as ``self.c``: the
-    same cache was reused. Attributes the data module's ``__init__`` sets enter the config by value;
-    a counter that static_transform assigns (``self.calls``) and the loader settings do not."""
+def test_a_value_saved_in_hparams_rebuilds_loader_settings_and_other_attributes_do_not(cache_dir):
+    """``DM(clip=500)`` then ``DM(clip=600)`` (``--data.clip 600``) with the value taken from
+    ``**kwargs`` into ``hparams``: the same cache was reused (found by a review helper). Loader
+    settings kept as attributes (``self.batch_size = batch_size``) and a per-process value set in
+    ``__init__`` must not rebuild (a first fix that hashed every attribute did: found by a review
+    helper)."""
     first = _Popped(cache_dir=str(cache_dir))
     first.prepare_data()
     with warnings.catch_warnings():
@@ -657,7 +662,7 @@ def test_a_data_module_value_set_in_init_rebuilds_loader_settings_still_do_not(c
         again.prepare_data()
     assert again.calls == 8  # only the probes: reused
     edited = _Popped(clip=600, cache_dir=str(cache_dir))
-    with pytest.warns(UserWarning, match=r"config changed \(self\.c: 500 -> 600\)"):
+    with pytest.warns(UserWarning, match=r"config changed \(clip: 500 -> 600\)"):
         edited.prepare_data()
     assert edited.calls == 64 + 2 * 8  # rebuilt
 
