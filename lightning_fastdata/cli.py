@@ -278,7 +278,7 @@ def plan_for(dm: OptimizedDataModule, device: torch.device, local_world_size: in
         raise PlanError(f"{type(dm).__name__}.source('train') and source('val') returned None: nothing to plan")
     if resources is None:
         return dm.make_plan(device, local_world_size, strategy=strategy)
-    config = dm.plan_config()
+    config = dm.plan_config(device)
     if strategy is not None:
         config["strategy"] = strategy
     return decide(None if dm.raw_sources else sum(s.nbytes for s in dm.stores.values()), resources, config)

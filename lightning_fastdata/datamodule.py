@@ -56,7 +56,7 @@ from lightning_fastdata.placement import (
     place,
 )
 from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
-from lightning_fastdata.ragged import RaggedBatch
+from lightning_fastdata.ragged import RaggedArray, RaggedBatch
 from lightning_fastdata.seeding import WorkerSeeding
 from lightning_fastdata.store import Store, build_store
 from lightning_fastdata.structure import StoreError, UnstorableSampleError, unflatten
@@ -536,7 +536,7 @@ class OptimizedDataModule(L.LightningDataModule):
         device = device or self.target_device()
         local_world = self._local_place()[2] if local_world_size is None else local_world_size
         resources = probe_resources(device, local_world_size=local_world)
-        config = self.plan_config()
+        config = self.plan_config(device)
         if strategy is not None:
             config["strategy"] = strategy
         counted = [st for sp, st in self.stores.items() if splits is None or sp in splits]
@@ -547,8 +547,9 @@ class OptimizedDataModule(L.LightningDataModule):
                                        if not freed_memory_kept() else f"{host_memory_state()}: {why}")
         return plan
 
-    def plan_config(self) -> dict[str, Any]:
-        """The settings :func:`~lightning_fastdata.plan.decide` reads, with the largest batch's bytes."""
+    def plan_config(self, device: torch.device | None = None) -> dict[str, Any]:
+        """The settings :func:`~lightning_fastdata.plan.decide` reads, with the largest batch's bytes
+        (those a worker sends counted for training on ``device``, default :meth:`target_device`)."""
         return {
             "strategy": self.strategy, "vram_fraction": self.vram_fraction,
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
@@ -558,22 +559,23 @@ class OptimizedDataModule(L.LightningDataModule):
                                  for split, st in self.stores.items()), default=0),
             # What a worker sends through /dev/shm (its caps and the shared-memory headroom);
             # chunks hold stored rows and are sized by the stored batch above.
-            "sent_batch_nbytes": max((self._sent_row_nbytes(split, st) * self._batch_size(split)
+            "sent_batch_nbytes": max((self._sent_row_nbytes(split, st, device) * self._batch_size(split)
                                       for split, st in self.stores.items()), default=0),
         }
 
-    def _sent_row_nbytes(self, split: str, store: Store) -> int:
+    def _sent_row_nbytes(self, split: str, store: Store, device: torch.device | None = None) -> int:
         """Bytes per sample of a batch a DataLoader worker sends: the stored row's (a ragged
         field's mean), or where the workers may augment (a CPU run without a ``device`` or
-        ``chunked`` strategy), each field's scaled by how much the augmentation grows it in sample 0 (once
-        per split and augmentation, torch's and numpy's global generators left as they were);
+        ``chunked`` strategy), each field's largest augmented size among sample 0 and each ragged
+        field's largest sample (once per split and augmentation, the global generators left as
+        they were);
         the /dev/shm headroom and the workers' caps count it. Counted from the stored row
         only, a float32 ``Normalize`` output (4x) overran a small /dev/shm, and torch's workers
         then hung the fit."""
         stored = sum(i.row_nbytes for i in store.infos)
         augment = self.train_augment if split == "train" else self.eval_augment
         if (augment is None or len(store) == 0 or self.strategy in ("device", "chunked")
-                or self.target_device().type != "cpu"):
+                or (device or self.target_device()).type != "cpu"):
             return stored
         known = self._sent_nbytes.get(split)
         if known is not None and known[0] is augment:
@@ -585,13 +587,11 @@ class OptimizedDataModule(L.LightningDataModule):
         state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):  # an augmentation not keyed by the samples draws
-                first = prepared_row_nbytes(source, store.spec, names, None)
-                grown = prepared_row_nbytes(source, store.spec, names, prepare)
-            # Each field's mean stored row grown as sample 0's was (a ragged field's first sample
-            # may be small; a label's bytes must not dilute an image's growth).
-            scaled = sum(-(-info.row_nbytes * g // max(1, f)) for info, f, g in zip(store.infos, first, grown,
-                                                                                   strict=True))
-            sent = max(stored, scaled)
+                grown = [prepared_row_nbytes(source, store.spec, names, prepare, row) for row in _extreme_rows(store)]
+            # Per field, the largest of: its mean stored row, and what the augmentation made of
+            # sample 0 and of the largest sample of each ragged field (a resize to a fixed size
+            # gives the same for every sample, an elementwise op grows the largest the most).
+            sent = max(stored, sum(max(info.row_nbytes, *(g[k] for g in grown)) for k, info in enumerate(store.infos)))
         except Exception:  # the first batch raises it where the user sees it: this is an estimate
             sent = stored
         finally:
@@ -616,7 +616,7 @@ class OptimizedDataModule(L.LightningDataModule):
         # stores released at the fit's teardown back on the device), and the budget counts
         # them with what is still placed.
         plan = self.make_plan(device, local_world, splits={*splits, *placed})
-        config = self.plan_config()
+        config = self.plan_config(device)
         todo = {s: st for s, st in self.stores.items() if s in splits and s not in placed}
         sharing = Sharing(self.shared_memory, rank, local_rank, local_world, config["sent_batch_nbytes"])
         placement = place(todo, plan, device, config, {s: self._batch_size(s) for s in todo},
@@ -1329,6 +1329,16 @@ def _prepared(batch: FastBatch, augment: BatchTransform, seed: int, stream: int,
     """A DataLoader worker's prepare step (module-level, so a spawned worker can unpickle it)."""
     leaves = _augment_leaves(batch, augment, seed, stream, kinds)
     return FastBatch(leaves, batch.spec, batch.names, batch.indices, batch.epoch, batch.index, prepared=True)
+
+
+def _extreme_rows(store: Store) -> list[int]:
+    """Sample 0 and the largest sample of each ragged field (decoded size for JPEG bytes)."""
+    rows = {0}
+    for field in store.fields:
+        if isinstance(field, RaggedArray) and len(field):
+            sizes = field.decoded if field.decoded is not None else field.shapes
+            rows.add(int(np.prod(sizes, axis=1).argmax()))
+    return sorted(rows)
 
 
 def _position_of(loader: Any) -> tuple[int, int, int]:

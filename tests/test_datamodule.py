@@ -1432,16 +1432,18 @@ class _Ragged(TinyDataModule):
         return [(torch.full((3, 2, 2) if i == 0 else (3, 8, 8), i, dtype=torch.uint8), i) for i in range(self.n)]
 
 
-def test_the_batch_bytes_workers_send_scale_a_ragged_fields_mean_row(cache_dir):
-    """Sample 0's augmented size against the stored mean row: a small first sample hid the 4x
-    growth of the rest (found by a review helper)."""
+def test_the_batch_bytes_workers_send_follow_a_ragged_fields_largest_sample(cache_dir):
+    """A ragged field's bytes once augmented: sample 0 alone (here 2x2 of mostly 8x8) hid the 4x
+    growth of the rest under ``Normalize``, and scaling the mean row by sample 0's growth made a
+    resize to a fixed size 14x too large (both found by review helpers)."""
     from lightning_fastdata import augment as A
 
-    dm = _Ragged(n=8, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False, ragged=["0"],
-                 train_augment=A.Normalize([0.5] * 3, [0.2] * 3))
-    dm.setup("fit")
-    stored = dm.plan_config()["batch_nbytes"]
-    assert dm.plan_config()["sent_batch_nbytes"] >= 3.5 * (stored - 4 * 8)
+    normalize = A.Normalize([0.5] * 3, [0.2] * 3)
+    for augment, image in ((normalize, 3 * 8 * 8 * 4), (A.Compose([A.Resize((4, 4)), normalize]), 3 * 4 * 4 * 4)):
+        dm = _Ragged(n=8, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False, ragged=["0"],
+                     train_augment=augment)
+        dm.setup("fit")
+        assert dm.plan_config()["sent_batch_nbytes"] == 4 * (image + 8)
 
 
 @pytest.mark.parametrize("second,skipped", [
