@@ -720,12 +720,12 @@ class _HostBatches(Dataset):
 
 
 def prepared_row_nbytes(source: HostSource, spec: dict, names: list[str],
-                        prepare: Callable[[FastBatch], FastBatch] | None, row: int = 0) -> list[int]:
-    """Bytes of each field of sample ``row`` as a DataLoader worker sends it: gathered, then
-    ``prepare``d if given (``Normalize`` to float32 makes 4x the stored uint8 row, a JPEG's
-    decoding many times its bytes)."""
+                        prepare: Callable[[FastBatch], FastBatch], row: int = 0) -> list[int]:
+    """Bytes of each field of sample ``row`` as a DataLoader worker sends it, gathered and
+    ``prepare``d (``Normalize`` to float32 makes 4x the stored uint8 row, a JPEG's decoding
+    many times its bytes)."""
     out = _HostBatches(source, spec, names, prepare).__getitems__(_Rows([row], 0, 0))
-    return [sum(t.nbytes for t in _leaf_tensors(leaf)) for leaf in (out.leaves if isinstance(out, FastBatch) else out)]
+    return [sum(t.nbytes for t in _leaf_tensors(leaf)) for leaf in out.leaves]
 
 
 class _Transformed(Dataset):
