@@ -360,12 +360,23 @@ class _Loader:
         return self.order
 
     def __iter__(self) -> Iterator[FastBatch]:
+        source = self._source()
+        if source is not None and source.dropped:
+            # Its fields were emptied to free the memory: a batch would come out with no fields.
+            split, again = (f"{self.split} ", f"call {self.split}_dataloader()") if self.split else ("", "ask")
+            raise RuntimeError(
+                f"this {split}loader's data was released by its data module's teardown (the end of the "
+                f"stage that set it up): run setup(stage) again and {again} for a new loader")
         it = self._iterate()
         self._live[it] = self.iteration_tag() if self.iteration_tag is not None else None
         return it
 
     def _iterate(self) -> Iterator[FastBatch]:
         raise NotImplementedError
+
+    def _source(self) -> Source | None:
+        """The stored fields this loader reads, or None (a raw dataset)."""
+        return None
 
     def close_iterations(self, tag: Any = None) -> None:
         """Close the iterations under way that started with ``tag`` (every one when None): the
@@ -554,6 +565,9 @@ class IndexLoader(_Loader):
     def indices(self, epoch: int | None = None) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in the order batches are cut."""
         return self.order.indices(epoch)
+
+    def _source(self) -> Source:
+        return self.source
 
     def _produce(self, start: int) -> Iterator[FastBatch]:
         epoch, prepare = self.order.epoch, self.prepare
@@ -801,6 +815,7 @@ class WorkerLoader(_Loader):
         self.iter_epoch, self.iter_start = 0, 0
         if prepare is not None and source is None:
             raise ValueError("WorkerLoader's prepare= needs source= (a raw dataset's samples are collated first)")
+        self.source = source
         ds = _HostBatches(source, spec, names, prepare) if source is not None else dataset
         self.dataloader = DataLoader(
             ds,
@@ -817,6 +832,9 @@ class WorkerLoader(_Loader):
     @property
     def num_workers(self) -> int:
         return self.dataloader.num_workers
+
+    def _source(self) -> HostSource | None:
+        return self.source
 
     def close(self) -> None:
         """Stop the iterations under way and the worker processes now. Persistent workers

@@ -265,11 +265,19 @@ class Source:
     def close(self) -> None:
         """Stop background work (nothing by default)."""
 
+    #: Set by :meth:`drop`: the loaders made from this source refuse to start an iteration.
+    dropped = False
+
     def drop(self) -> None:
         """Forget the fields, after :meth:`close`, for good: their lists are emptied in place,
         so the loaders made from this source (which share them) let go too, and the memory
         (a shared-memory segment's pages, device copies) goes even while a Trainer still holds
         those loaders."""
+        self.dropped = True
+        self._forget()
+
+    def _forget(self) -> None:
+        """Empty the field lists in place (see :meth:`drop`)."""
 
 
 def _rows(field: Any) -> int:
@@ -353,7 +361,7 @@ class DeviceSource(Source):
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.fields)
 
-    def drop(self) -> None:
+    def _forget(self) -> None:
         self.fields.clear()
         self.segment = None
 
@@ -387,7 +395,7 @@ class HostSource(Source):
         return [gather_host(a, idx) if isinstance(a, RaggedArray) else torch.index_select(next(tensors), 0, idx)
                 for a in self.arrays]
 
-    def drop(self) -> None:
+    def _forget(self) -> None:
         self.arrays.clear()
         self.tensors.clear()
         self.segment = None
@@ -648,7 +656,7 @@ class ChunkedSource(Source):
                 pool.shutdown(wait=True)
         self._executor = self._fill = None
 
-    def drop(self) -> None:
+    def _forget(self) -> None:
         self.host.drop()
         self.buffers.slots.clear()
         if self.buffers.staging is not None:

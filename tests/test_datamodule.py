@@ -310,6 +310,24 @@ def test_persistent_workers_stop_at_teardown(tmp_path):
     assert not left
 
 
+@pytest.mark.parametrize("strategy", ["device", "chunked", "workers"])
+def test_a_loader_kept_past_its_teardown_says_so_and_a_new_one_reads(cache_dir, strategy):
+    """The teardown frees a split's data; a loader kept from before it had no fields left
+    and failed with "0 leaves for 2 field names" (device, workers) or an IndexError (chunked)."""
+    dm = TinyDataModule(n=12, batch_size=4, cache_dir=str(cache_dir), device="cpu", strategy=strategy,
+                        num_workers=0, val=False)
+    dm.prepare_data()
+    dm.setup("fit")
+    kept = dm.train_dataloader()
+    assert len(list(kept)) == 3
+    dm.teardown("fit")
+    with pytest.raises(RuntimeError, match=r"train loader's data was released by its data module's teardown"
+                                           r".*setup\(stage\) again and call train_dataloader\(\)"):
+        iter(kept)
+    dm.setup("fit")
+    assert len(list(dm.train_dataloader())) == 3
+
+
 def test_setup_without_prepare_data_builds_the_cache(cache_dir):
     dm = TinyDataModule(n=12, batch_size=4, cache_dir=str(cache_dir), device="cpu", val=False)
     dm.setup("fit")  # e.g. a rank whose leader has not built it: no waiting, build it here
