@@ -264,6 +264,11 @@ class OptimizedDataModule(L.LightningDataModule):
             raise ValueError(f"encode={encode!r} names the mask field {masks[0]!r} (field_kinds): JPEG is lossy and "
                              "would change its labels (and max_side would blend them); store masks as they are, "
                              f"naming the field in ragged=['{masks[0]}'] if its size varies")
+        if max_side is not None and not encode:
+            # It caps the images the store encodes only: without encode every image keeps its size.
+            rank_zero_warn(f"max_side={max_side!r} caps the longest side of encoded images only, and encode names "
+                           "no field: the images are stored at their own size. Add encode={'<image field>': "
+                           "'jpeg'}, or resize in static_transform and leave max_side None.")
         if not store and (ragged or encode):
             raise ValueError(f"ragged={ragged!r} and encode={encode!r} describe how fields are stored; they need "
                              "store=True")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,21 @@ def test_photos_are_jpegs_of_varying_sizes_written_once(tmp_path):
         photos.write_photos(tmp_path / "other", {"train": 1})
     assert (tmp_path / "other" / "keep.txt").exists()
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_photos_an_empty_file_is_refused_by_the_store_naming_it(tmp_path):
+    # read_bytes used torch.frombuffer, whose own "both buffer length (0) and count (-1) must not
+    # be 0" came before the store's message that names the sample and the file.
+    photos = _photos()
+    root = photos.write_photos(tmp_path / "p", {"train": 2, "val": 1}, classes=2, sides=(40, 60))
+    empty = sorted((root / "train").rglob("*.jpg"))[1]
+    empty.write_bytes(b"")
+    assert photos.read_bytes(str(empty)).shape == (0,)
+    dm = photos.Photos(root=str(root), train_per_class=2, val_per_class=1, classes=2, sides=(40, 60),
+                       cache_dir=str(tmp_path / "cache"), encode={"image": "jpeg"}, ragged=["image"], progress=False)
+    with pytest.raises(Exception, match=r"(?s)empty.*" + re.escape(empty.name)):
+        dm.prepare_data()
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.npy"))
 
 
 def _photos_cli(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -183,6 +185,17 @@ def test_ragged_and_encode_are_checked_at_construction():
         RaggedModule(max_side=-3)
     with pytest.raises(ValueError, match="need store=True"):
         RaggedModule(ragged=["img"], store=False)
+
+
+def test_max_side_without_encode_warns_that_it_caps_nothing():
+    # It caps encoded images only: ragged=["img"], max_side=64 stored full-size images silently.
+    with pytest.warns(UserWarning, match=r"max_side=64 caps the longest side of encoded images only, and encode "
+                                         r"names no field: the images are stored at their own size"):
+        RaggedModule(ragged=["img"], max_side=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RaggedModule(ragged=["img"], encode={"img": "jpeg"}, max_side=64)
+        RaggedModule(ragged=["img"])
 
 
 def test_an_unknown_ragged_field_is_named_with_the_fields_at_setup(tmp_path):

@@ -117,8 +117,11 @@ def write_photos(root: str | os.PathLike, per_split: dict[str, int], classes: in
 
 
 def read_bytes(path: str) -> torch.Tensor:
-    """A file's bytes as a uint8 1-D tensor (what a JPEG field stores as is)."""
-    return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+    """A file's bytes as a uint8 1-D tensor (what a JPEG field stores as is).
+
+    An empty file gives an empty tensor, which the store refuses naming the sample and the
+    file (``torch.frombuffer`` raised its own error on 0 bytes first)."""
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
 
 
 class Photos(OptimizedDataModule):
