@@ -426,7 +426,10 @@ class OptimizedDataModule(L.LightningDataModule):
             if cls is OptimizedDataModule:
                 break
         for name, value in hparams.items():
-            if name not in config and name not in _NOT_CACHED:
+            # Lightning's CLI adds "_class_path" and "_instantiator" to the hparams of what it
+            # builds: they say how the module was made, not what it caches (``fastdata plan``,
+            # which builds it without them, would otherwise use another cache than ``fit``).
+            if name not in config and name not in _NOT_CACHED and not name.startswith("_"):
                 config[name] = _config_value(value)
         return config
 

@@ -54,6 +54,22 @@ def test_fit_validate_test_through_lightning_cli(tmp_path):
           "--data.init_args.persistent_workers", "false"])
 
 
+def test_plan_uses_the_cache_fit_built_from_the_same_config(tmp_path, capsys):
+    # LightningCLI's instantiator puts "_class_path" and "_instantiator" in the data module's
+    # hparams; plan builds it without them and used to build (and warn about) a second cache.
+    cfg = write_config(tmp_path)
+    FastDataCLI(args=["fit", "--config", cfg])
+    caches = sorted(p.name for p in (tmp_path / "cache").glob("*/*-*") if not p.name.startswith("."))
+    assert [c.split("-")[0] for c in caches] == ["test", "train", "val"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*building a new .* cache")
+        main(["plan", "--config", cfg])
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*/*-*") if not p.name.startswith(".")) == caches
+    capsys.readouterr()
+
+
 def test_plan_prints_resources_stores_and_reasons(tmp_path, capsys):
     cfg = write_config(tmp_path)
     out = tmp_path / "plan.json"
