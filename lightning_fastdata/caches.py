@@ -65,6 +65,27 @@ def _cache_dirs(root: Path) -> list[tuple[str, Path]]:
     return out
 
 
+def _namespace_dirs(root: Path) -> list[Path]:
+    """``root`` and every directory in it that is not a cache (a namespace), symlinks left out."""
+    out = [root]
+    with contextlib.suppress(OSError):
+        for p in sorted(root.iterdir()):
+            if (not p.name.startswith(".") and not p.is_symlink() and p.is_dir()
+                    and not (S.CACHE_NAME.fullmatch(p.name) and (p / S.MANIFEST).exists())):
+                out.append(p)
+    return out
+
+
+def build_temporaries(cache_dir: str | os.PathLike) -> list[tuple[Path, int]]:
+    """The temporary directories of builds (and removals) under ``cache_dir``, with their bytes:
+    builds in progress, and those a killed build left (``prune`` removes these)."""
+    root = Path(cache_dir)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    return [(p, _dir_bytes(p)) for d in _namespace_dirs(root) for p in sorted(d.glob(f"{S.TMP_PREFIX}*"))
+            if p.is_dir() and not p.is_symlink()]
+
+
 def list_caches(cache_dir: str | os.PathLike) -> list[CacheInfo]:
     """Every cache under ``cache_dir``: namespace, split, fingerprint, samples, bytes, created, last used, in use."""
     root = Path(cache_dir)
@@ -136,8 +157,11 @@ def prune_caches(cache_dir: str | os.PathLike, older_than_s: float | None = None
                 results.append(PruneResult(c, False, f"kept: could not remove it ({e.strerror or e})", str(e)))
             else:
                 results.append(PruneResult(c, why is None, why or "removed"))
-    if not dry_run:
-        for d in {Path(cache_dir)} | {c.path.parent for c in caches}:
+    root = Path(cache_dir)
+    if not dry_run and root.is_dir() and not root.is_symlink():
+        # Every namespace, not only those holding a cache: a first build killed midway leaves
+        # its temporary (preallocated to the store's full size) in a namespace with no cache.
+        for d in _namespace_dirs(root):
             S.sweep_temporaries(d)
     return results
 

@@ -48,7 +48,7 @@ from lightning_utilities.core import rank_zero as rank_zero_module
 from lightning_fastdata import _lightning as door
 from lightning_fastdata._util import atomic_write_text, fmt_bytes
 from lightning_fastdata.autotune import shutdown_workers, time_loader
-from lightning_fastdata.caches import CacheInfo, list_caches, prune_caches
+from lightning_fastdata.caches import CacheInfo, build_temporaries, list_caches, prune_caches
 from lightning_fastdata.datamodule import OptimizedDataModule, default_cache_dir
 from lightning_fastdata.plan import Plan, PlanError, Resources, decide, ram_text
 from lightning_fastdata.structure import StoreError
@@ -677,7 +677,13 @@ def run_cache(args: list[str], out: Any = None, now: float | None = None) -> lis
         print(f"{len(caches)} cache(s) in {cache_dir}, {fmt_bytes(total)}", file=out)
         if caches:
             print(_table(header, _rows(caches, now)), file=out)
+        temporaries = build_temporaries(cache_dir)
+        if temporaries:
+            print(f"and {len(temporaries)} temporary build directory(ies), "
+                  f"{fmt_bytes(sum(b for _, b in temporaries))}: builds under way, or left by a killed build "
+                  "(prune removes those)", file=out)
         return caches
+    before = dict(build_temporaries(cache_dir))
     results = prune_caches(cache_dir, older_than_s=ns.older_than, keep_latest=ns.keep_latest, dry_run=ns.dry_run,
                            now=now)
     rows = []
@@ -691,8 +697,11 @@ def run_cache(args: list[str], out: Any = None, now: float | None = None) -> lis
     freed = sum(r.cache.nbytes for r in done)
     verb = "would free" if ns.dry_run else "freed"
     failed = [r for r in results if r.error]
+    swept = [] if ns.dry_run else sorted(set(before) - {p for p, _ in build_temporaries(cache_dir)})
+    freed += sum(before[p] for p in swept)
     print(f"{verb} {fmt_bytes(freed)}: {len(done)} cache(s) {'to remove' if ns.dry_run else 'removed'}, "
           f"{len(results) - len(done)} kept"
+          f"{f', {len(swept)} temporary directory(ies) of killed builds removed' if swept else ''}"
           f"{f' ({len(failed)} could not be removed)' if failed else ''}, in {cache_dir}", file=out, flush=True)
     for r in failed:
         print(f"fastdata cache prune: error: could not remove {r.cache.path}: {r.error}", file=sys.stderr)

@@ -77,7 +77,8 @@ FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 READERS = ".readers"
 LAST_USED = "last_used"
-_TMP_PREFIX = ".tmp-"
+#: Names of the temporary directories of builds and removals (swept once their writer is gone).
+TMP_PREFIX = ".tmp-"
 _LOCK_PREFIX = ".lock-"
 _CRC_BLOCK = 16 << 20
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -523,8 +524,8 @@ def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Pat
     """
     removed = []
     host = _host()
-    for p in cache_dir.glob(f"{_TMP_PREFIX}*"):
-        parts = p.name[len(_TMP_PREFIX):].split("~")
+    for p in cache_dir.glob(f"{TMP_PREFIX}*"):
+        parts = p.name[len(TMP_PREFIX):].split("~")
         alive = _writer_alive(parts[2]) if len(parts) >= 3 and parts[1] == host else None
         if alive is None:  # another host's, or a name we cannot read: judge by its last heartbeat
             try:
@@ -549,7 +550,7 @@ def remove_cache(path: Path) -> OSError | None:
         caller for which a failed removal is no error may ignore it; one that reports a
         removal (``fastdata cache prune``) must check it.
     """
-    trash = path.with_name(f"{_TMP_PREFIX}trash~{_writer_tag()}~{path.name}")
+    trash = path.with_name(f"{TMP_PREFIX}trash~{_writer_tag()}~{path.name}")
     try:
         os.rename(path, trash)
     except OSError as e:
@@ -806,7 +807,7 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
     infos = probe.infos
     check_space(name, root, n, infos)
     free = shutil.disk_usage(root).free  # for the message, should the disk fill up while writing
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}~{_writer_tag()}~", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}~{_writer_tag()}~", dir=root))
     # Touched while we build: another host's sweep judges the directory by its age, and
     # nothing else refreshes it once a fixed-shape store's files are created.
     beat = locks.Heartbeat(tmp)

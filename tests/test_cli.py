@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -393,6 +394,37 @@ def test_cache_list_shows_every_cache_with_size_age_and_use(tmp_path, capsys):
     assert "(40.0d ago)" in rows[old_path.name[-16:]] and not rows[old_path.name[-16:]].endswith("in use")
     other = [r for r in rows.values() if "Other" in r]
     assert len(other) == 1 and other[0].split()[0].endswith("._caches._locals_.Other")
+
+
+_KILLED_BUILD = """
+import os, signal, sys, torch
+from lightning_fastdata.store import build_store
+
+def transform(sample):
+    if int(sample) == 30:
+        os.kill(os.getpid(), signal.SIGKILL)  # an OOM kill, a preempted node
+    return torch.full((64,), int(sample) % 250, dtype=torch.uint8)
+
+build_store(list(range(40)), transform, sys.argv[1], namespace="killed.Module", probes=2, num_workers=0,
+            progress=False)
+"""
+
+
+def test_cache_prune_removes_what_a_killed_first_build_left_and_list_shows_it(tmp_path, capsys):
+    # A namespace holding only the temporary of a killed first build was never swept: prune said
+    # "freed 0 B" and list "0 cache(s)" while the (preallocated) store stayed on disk.
+    cache = tmp_path / "cache"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_BUILD, str(cache)], env=env, timeout=120)
+    assert proc.returncode == -9
+    (left,) = (cache / "killed.Module").glob(".tmp-*")
+    main(["cache", "list", "--cache-dir", str(cache)])
+    out = capsys.readouterr().out
+    assert "0 cache(s)" in out and "and 1 temporary build directory(ies)" in out and "left by a killed build" in out
+    main(["cache", "prune", "--cache-dir", str(cache)])
+    out = capsys.readouterr().out
+    assert "1 temporary directory(ies) of killed builds removed" in out and not left.exists()
+    assert re.search(r"^freed (?!0 B)", out, re.M), out  # the bytes of the temporary
 
 
 def test_cache_prune_removes_only_unused_caches_and_says_what_it_frees(tmp_path, capsys):
