@@ -538,6 +538,29 @@ def test_gpu_check_quick_runs_on_the_cpu(tmp_path):
     assert "| resnet18-cifar | fastdata device |" in proc.stdout
 
 
+@pytest.mark.slow
+def test_gpu_check_quick_runs_the_demo_and_fails_when_a_section_fails(tmp_path, monkeypatch):
+    # Its quick run passed --epochs 1, which the demo refuses: the demo row said "not measured"
+    # and the script still exited 0.
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--quick", "--device", "cpu",
+                           "--sections", "demo", "--json", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["failed"] == [] and 0 <= res["demo"]["fastdata"]["data_wait_frac"] < 1
+    gpu_check = _module("gpu_check")
+    monkeypatch.setattr(gpu_check, "demo", lambda device, quick, work: None)  # as when the demo exits non-zero
+    levels = {n: logging.getLogger(n).level for n in ("lightning.pytorch", "lightning.fabric", "lightning")}
+    try:
+        with warnings.catch_warnings():
+            assert gpu_check.main(["--quick", "--device", "cpu", "--sections", "demo", "--json", ""]) == 1
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+
+
 def _gpu_result() -> dict:
     run = {"steps_s": 500.0, "gpu_idle_frac": 0.004, "data_wait_frac": 0.01, "verdict": "compute-bound"}
     return {"format": 2, "device": "cuda", "name": "NVIDIA H200", "quick": False, "cores": 16, "total_s": 250.0,
