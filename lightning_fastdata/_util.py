@@ -23,15 +23,38 @@ def fmt_bytes(n: float) -> str:
 
 
 def batch_len(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first array (through tuples, lists, dicts); else 1."""
-    node = batch
-    while isinstance(node, (tuple, list, dict)):
-        if not node:
-            return 1
-        node = next(iter(node.values())) if isinstance(node, dict) else node[0]
+    """Samples in a batch: the first dimension of its first array, through tuples, lists and dicts.
+
+    A list of plain values (file names, numbers) is one field with one value per sample: it is
+    skipped for an array after it (its strings' lengths are no batch size), and its length
+    counts where the batch holds no array. A leaf with a length but no shape (a FastBatch)
+    counts its samples. Else 1.
+    """
+    found = _first_len(batch)
+    return found[0] if found is not None else 1
+
+
+def _first_len(node: Any) -> tuple[int, bool] | None:
+    """``(length, is_an_array)`` of the first array-like leaf of ``node``, else of its first list of plain values."""
+    if isinstance(node, (str, bytes, bytearray)):
+        return None
     if hasattr(node, "shape"):
-        return int(node.shape[0]) if len(node.shape) else 1
-    return len(node) if hasattr(node, "__len__") else 1  # e.g. a FastBatch: its samples
+        return (int(node.shape[0]) if len(node.shape) else 1), True
+    if not isinstance(node, (tuple, list, dict)):
+        return (len(node), True) if hasattr(node, "__len__") else None  # e.g. a FastBatch: its samples
+    if isinstance(node, dict):
+        children: Any = node.values()
+    elif node and isinstance(node[0], (str, bytes, bytearray, int, float)):
+        return len(node), False  # a list of plain values, one per sample (collated file names)
+    else:
+        children = node
+    plain: tuple[int, bool] | None = None
+    for child in children:
+        found = _first_len(child)
+        if found is not None and found[1]:
+            return found
+        plain = plain or found
+    return plain
 
 
 def pid_alive(pid: int) -> bool:

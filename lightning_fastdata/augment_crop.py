@@ -608,7 +608,7 @@ class RandomCrop(BatchTransform):
         out = {}
         for name in batch.names("image", "mask"):
             xs = batch.fields[name]
-            lead_shape(xs, sd, name)
+            lead_shape(xs, sd, name, batch.keys.index)
             fill = self.fill if batch.kinds[name] == "image" else 0
             parts = []
             for rows in groups(padded):
@@ -799,7 +799,7 @@ class RandomCropByLabel(BatchTransform):
         self.window_size(batch)  # the clear error for a sample smaller than the window
         names = batch.names("image", "mask")
         for name in names:
-            lead_shape(batch.fields[name], batch.spatial_dims, name)
+            lead_shape(batch.fields[name], batch.spatial_dims, name, batch.keys.index)
         rows = torch.arange(len(batch), device=batch.keys.device)
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
         for i in range(len(batch)):

@@ -19,12 +19,26 @@ import torch
 MAX_WASTE = 2.0
 
 
-def lead_shape(xs: Sequence[torch.Tensor], sd: int, field: str) -> tuple[int, ...]:
-    """The non-spatial shape (channels, frames) every sample of ``field`` shares."""
+def lead_shape(xs: Sequence[torch.Tensor], sd: int, field: str,
+               index: torch.Tensor | Sequence[int] | None = None) -> tuple[int, ...]:
+    """The non-spatial shape (channels, frames) every sample of ``field`` shares.
+
+    Args:
+        xs: The field's samples, ``(*lead, *spatial)`` each.
+        sd: The number of spatial dims.
+        field: The field's name, for the error.
+        index: The samples' dataset indices (``batch.keys.index``), named by the error;
+            without them it names positions in the list.
+    """
     lead = tuple(xs[0].shape[:-sd])
     for i, x in enumerate(xs):
         if tuple(x.shape[:-sd]) != lead:
-            raise ValueError(f"field {field!r}: sample {i} has shape {tuple(x.shape)} and sample 0 "
+            if index is None:
+                odd, first = f"sample {i}", "sample 0"
+            else:  # read from the device only here, on the way to the error
+                ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+                odd, first = f"sample {ids[i]} (batch position {i})", f"sample {ids[0]} (batch position 0)"
+            raise ValueError(f"field {field!r}: {odd} has shape {tuple(x.shape)} and {first} "
                              f"{tuple(xs[0].shape)}; only the spatial size may vary within a list field (give "
                              "every sample the same channels in the dataset, e.g. x.expand(3, -1, -1) for a "
                              "grayscale image: JPEG fields keep the 1 or 3 channels of the tensors stored)")

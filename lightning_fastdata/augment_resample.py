@@ -365,7 +365,7 @@ class RandomResizedCrop(BatchTransform):
         out = {}
         for name in batch.names("image", "mask"):
             xs = batch.fields[name]
-            lead_shape(xs, 2, name)
+            lead_shape(xs, 2, name, batch.keys.index)
             if batch.kinds[name] == "image" and host_shortcuts(xs[0].device):
                 out[name] = self._image_loop(xs, top, left, height, width, flip)
                 continue

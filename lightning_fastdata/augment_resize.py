@@ -94,7 +94,7 @@ class Resize(BatchTransform):
         out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
         for name in batch.names("image", "mask"):
             xs = batch.fields[name]
-            lead_shape(xs, 2, name)
+            lead_shape(xs, 2, name, batch.keys.index)
             if batch.kinds[name] == "mask":
                 ys = [nearest_resize(x, s) for x, s in zip(xs, sizes, strict=True)]
             elif host_shortcuts(xs[0].device):
@@ -179,7 +179,7 @@ class CenterCrop(BatchTransform):
             out = {}
             for name in batch.names("image", "mask"):
                 xs = batch.fields[name]
-                lead_shape(xs, len(size), name)
+                lead_shape(xs, len(size), name, batch.keys.index)
                 # One stack of per-sample windows (views): a single copy kernel for the batch.
                 out[name] = torch.stack([_center_crop(x, size) for x in xs])
             return batch.replace(out)
@@ -204,7 +204,7 @@ def resize_center_crop(resize: Resize, crop: CenterCrop, batch: Batch) -> Batch 
     n = len(batch)
     for name in batch.names("image"):
         xs = batch.fields[name]
-        lead_shape(xs, 2, name)
+        lead_shape(xs, 2, name, batch.keys.index)
         parts = []
         for rows in groups([tuple(x.shape[-2:]) for x in xs]):
             src = canvas(xs, rows, 2)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from lightning_fastdata import encode as E
+from lightning_fastdata._lightning import shutdown_dataloader_workers
 from lightning_fastdata._util import fmt_bytes
 from lightning_fastdata.structure import (
     FieldInfo,
@@ -31,7 +32,9 @@ from lightning_fastdata.structure import (
     UnstorableSampleError,
     check_like,
     container_paths,
+    fixed_leads,
     flatten,
+    lead_error,
     ragged_info,
     read_sample,
     sample_name,
@@ -348,28 +351,61 @@ class _FillChunks(torch.utils.data.Dataset):
 
 def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n: int, layout: Layout,
           workers: int, desc: str, progress: bool, no_room: Callable[[], StoreError]) -> int:
-    """Fill every row; returns the number of chunks (a ragged field has one part file per chunk)."""
+    """Fill every row; returns the number of chunks (a ragged field has one part file per chunk).
+
+    Each chunk's ragged image and mask samples are checked as it completes (in order, so the
+    first bad sample is named): their channels must be sample 0's (see :func:`fixed_leads`).
+    """
     from tqdm.auto import tqdm
 
     chunk = max(1, min(256, math.ceil(n / max(1, workers * 8))))
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     filler = _FillChunks(dataset, transform, tmp, infos, chunks, layout)
-    with tqdm(total=n, desc=desc, unit="sample", disable=not progress, leave=False) as bar:
-        if workers <= 1:
-            results: Any = (filler[k] for k in range(len(chunks)))
-        else:
-            results = torch.utils.data.DataLoader(
-                filler, batch_size=None, num_workers=workers, shuffle=False,
-                worker_init_fn=_single_thread_worker,
-            )
-        for done in results:
-            if isinstance(done, str):
-                kind, _, message = done.partition(":")
-                if kind == _NO_ROOM:
-                    raise no_room()
-                raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(message)
-            bar.update(int(done))
+    leads = fixed_leads(infos)
+    # The shapes the chunks record (decoded ones for JPEG), read back here: one vectorised
+    # comparison per chunk, and row 0 is always there first (chunks complete in order).
+    shapes = {k: np.load(tmp / field_files(k, infos[k])["decoded" if infos[k].encoding else "shapes"],
+                         mmap_mode="r", allow_pickle=False) for k in leads}
+    loader = None
+    try:
+        with tqdm(total=n, desc=desc, unit="sample", disable=not progress, leave=False) as bar:
+            if workers <= 1:
+                results: Any = (filler[k] for k in range(len(chunks)))
+            else:
+                # Persistent, so the loader holds its iterator and `finally` can stop the workers:
+                # an iterator abandoned by an exception is kept alive by its traceback, and so are
+                # its workers (a retry in the same process then forks them, printing spurious errors).
+                loader = torch.utils.data.DataLoader(
+                    filler, batch_size=None, num_workers=workers, shuffle=False, persistent_workers=True,
+                    worker_init_fn=_single_thread_worker,
+                )
+                results = iter(loader)
+            for c, done in enumerate(results):
+                if isinstance(done, str):
+                    kind, _, message = done.partition(":")
+                    if kind == _NO_ROOM:
+                        raise no_room()
+                    raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(message)
+                _check_leads(infos, leads, shapes, chunks[c], dataset)
+                bar.update(int(done))
+    finally:
+        shapes.clear()  # no map of the temporary files outlives the build
+        if loader is not None:
+            shutdown_dataloader_workers(loader)
     return len(chunks)
+
+
+def _check_leads(infos: Sequence[FieldInfo], leads: Mapping[int, int], shapes: Mapping[int, np.ndarray],
+                 rows: tuple[int, int], dataset: Any) -> None:
+    """Refuse the first sample in ``rows`` of a ragged image or mask field whose channels differ from sample 0's."""
+    a, b = rows
+    for k, lead in leads.items():
+        got = np.array(shapes[k][a:b])  # a copy: the error's traceback keeps no map of the file
+        bad = np.flatnonzero((got[:, :lead] != shapes[k][0, :lead]).any(axis=1))
+        if bad.size:
+            i = a + int(bad[0])
+            raise lead_error(infos[k], lead, sample_name(dataset, i), got[bad[0]], sample_name(dataset, 0),
+                             shapes[k][0])
 
 
 def _copy_into(dst: int, src: Path) -> None:

@@ -39,6 +39,7 @@ epoch; after ``fit``, rank 0 prints the report, which :meth:`DataWaitProfiler.re
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -83,7 +84,7 @@ from lightning_fastdata.step_timer import (
     make_step,
     make_transfer,
 )
-from lightning_fastdata.trace import AUGMENT, StepTrace, check_path
+from lightning_fastdata.trace import AUGMENT, AUGMENT_AHEAD, StepTrace, check_path
 
 #: Per-step hooks the profiler does not use while it times the loop itself. Lightning dispatches
 #: every hook to every callback, and each dispatch costs ~1.4 us (~16,000 instructions) per step
@@ -157,7 +158,8 @@ class DataWaitProfiler(Callback):
         # alive (nor its loader's workers); a plain dict, so ddp_spawn can pickle the callback.
         self._early: dict[int, tuple[weakref.ref, float, float]] = {}
         self._hooks: HookTimer | None = None  # the fallback timing, when the loop could not be wrapped
-        self._context: dict[str, Any] = {}
+        # What advice knows of each stage's pipeline ("train", "validate"), read at its start.
+        self._contexts: dict[str, dict[str, Any]] = {}
         self._trainer: L.Trainer | None = None
         self._warned: set[str] = set()
         # FastDataCallback(profile=False) wraps nothing and times nothing (see _disable).
@@ -234,6 +236,7 @@ class DataWaitProfiler(Callback):
         self._patches.wrap(sites.val_run, self._after_validation(sites.val_run.original))
         if tracer is not None:
             self._trace_augment(trainer)
+        self._time_loader_augment(trainer)
 
     def _new_trace(self) -> None:
         """A fit's own trace: ``trace_steps`` counts from 0 over each fit.
@@ -269,10 +272,7 @@ class DataWaitProfiler(Callback):
         return run
 
     def _trace_augment(self, trainer: L.Trainer) -> None:
-        """Time the augmentation for the trace: the datamodule's ``on_after_batch_transfer``, when it
-        has one, and an :class:`~lightning_fastdata.datamodule.OptimizedDataModule`'s loader hook,
-        which augments each batch as it is gathered (in the fetch, or ahead of the step in the
-        loader's thread with ``augment_ahead``, where the span overlaps the step's compute)."""
+        """Time the datamodule's ``on_after_batch_transfer`` for the trace, when it has one (inside the transfer)."""
         dm = trainer.datamodule
         base = L.LightningDataModule.on_after_batch_transfer
         if dm is None or getattr(type(dm), "on_after_batch_transfer", base) is base:
@@ -288,21 +288,48 @@ class DataWaitProfiler(Callback):
             return out
 
         self._patches.wrap(augment, on_after_batch_transfer)
-        # OptimizedDataModule's hook, recognised by its module (the profiler sits below the data
-        # module and does not import it).
-        if getattr(getattr(type(dm), "_loader_augment", None), "__module__", None) == "lightning_fastdata.datamodule":
-            # Wrapped on the instance before Lightning asks for the loaders, which bind it.
-            prepare_site = door.site(dm, "_loader_augment")
-            prepare = prepare_site.original
 
-            def traced_prepare(batch: Any, split: str, augment: Any) -> Any:
-                t0 = clock()
-                out = prepare(batch, split=split, augment=augment)
-                if hot.active is not None:
-                    span(AUGMENT, t0, clock())
-                return out
+    def _time_loader_augment(self, trainer: L.Trainer) -> None:
+        """Time an :class:`~lightning_fastdata.datamodule.OptimizedDataModule`'s loader hook, which
+        augments each batch as it is gathered: in the fetch, or ahead of the step in the loader's
+        thread with ``augment_ahead``.
 
-            self._patches.wrap(prepare_site, traced_prepare)
+        Its total per stage tells the report whether a wait in the fetch is the gather or the
+        augmentation (a ``chunked`` store's advice to move it to the device was the same for
+        both); with a trace, each call is a span (the loader thread's in a lane of its own).
+        """
+        dm = trainer.datamodule
+        # Recognised by its module: the profiler sits below the data module and does not import it.
+        hook = getattr(type(dm), "_loader_augment", None) if dm is not None else None
+        if getattr(hook, "__module__", None) != "lightning_fastdata.datamodule":
+            return
+        if getattr(getattr(dm, "plan", None), "strategy", None) == "workers":
+            # DataLoader workers augment in their own processes, where this clock's figures never
+            # come back (and a closure in the loader would not pickle for spawned workers).
+            return
+        # Wrapped on the instance before Lightning asks for the loaders, which bind it.
+        site = door.site(dm, "_loader_augment")
+        prepare, clock, hot = site.original, self.clock, self._hot
+        span = self._tracer.span if self._tracer is not None else None
+        main = threading.get_ident()  # the Trainer's thread: another one is the loader's (augment_ahead)
+
+        def timed_prepare(batch: Any, split: str, augment: Any) -> Any:
+            t0 = clock()
+            out = prepare(batch, split=split, augment=augment)
+            if hot.active is not None:  # not in the sanity check
+                t1 = clock()
+                # The stages are read now: each fit makes its own.
+                stage = self._train if split == "train" else self._val if split == "val" else None
+                if stage is not None and stage.augment is not None:
+                    stage.augment += t1 - t0
+                if span is not None and split == "train":  # the trace has training steps only
+                    span(AUGMENT if threading.get_ident() == main else AUGMENT_AHEAD, t0, t1)
+            return out
+
+        self._patches.wrap(site, timed_prepare)
+        for stage in (self._train, self._val):
+            if stage.augment is None:
+                stage.augment = 0.0  # timed from now on
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """The run stopped on an exception (Lightning skips ``teardown`` then): write the steps
@@ -372,7 +399,7 @@ class DataWaitProfiler(Callback):
     # ------------------------------------------------------------------ training hooks
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._context = _context(trainer)
+        self._contexts["train"] = _context(trainer, "train")
         if door.restarted_mid_epoch(trainer):
             # Resumed inside an epoch: Lightning skips on_train_epoch_start for it, and the
             # epoch's remaining steps would otherwise go untimed.
@@ -438,8 +465,6 @@ class DataWaitProfiler(Callback):
                        "Start the window at a step the fit reaches (trace_steps=(first, count)).")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._enabled:
-            self._check_traced()
         replay = self._replay
         if self.replay_steps and replay.captured:
             self._hot.active = None
@@ -451,6 +476,10 @@ class DataWaitProfiler(Callback):
         replay.captured = []
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._enabled:
+            # Here, not in on_train_end: Lightning skips that when the fit trains nothing
+            # (limit_train_batches=0, max_epochs=0, max_steps=0), which then said nothing.
+            self._check_traced()
         if self._enabled and self.print_report and trainer.is_global_zero:
             rank_zero_info(format_report(self.report()))
 
@@ -458,6 +487,10 @@ class DataWaitProfiler(Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._hot.active = None if trainer.sanity_checking or not self._enabled else self._val
+        if self._hot.active is not None:
+            # Validation's own loader: its advice described the training loader's settings (and
+            # trainer.validate alone, with no training start, got none).
+            self._contexts["validate"] = _context(trainer, "validate")
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._hot.active is self._val:
@@ -598,7 +631,9 @@ class DataWaitProfiler(Callback):
         epoch), ``step_s``, ``data_wait_s``, ``compute_s``, ``overhead_s`` (totals),
         ``data_wait_frac``, ``compute_frac``, ``overhead_frac``, ``verdict``, ``share``,
         ``advice``. ``stages`` holds the same for "train" and "validate" (plus per-step
-        p50/p95 in ms and per-epoch summaries); ``replay`` holds the replay result or None;
+        p50/p95 in ms, per-epoch summaries and, with an ``OptimizedDataModule``,
+        ``augment_ms_mean``: its loader's augmentation per step, in the fetch or ahead of it);
+        ``replay`` holds the replay result or None;
         ``trace`` the written trace (``path``, ``first_step``, ``last_step``) or None;
         ``timing`` is ``"loop"``, or ``"hooks"`` when the public batch hooks were used.
         """
@@ -624,15 +659,19 @@ class DataWaitProfiler(Callback):
         rep["samples"] = stage.samples
         rep["epoch_time_s"] = stage.epoch_times[-1] if stage.epoch_times else 0.0
         rep["epochs"] = list(stage.epochs)
-        rep.update(verdict_of(rep, self._context))
-        rep["advice"] = advise(rep, self._context, stage.name) if rep["steps"] else []
+        if stage.augment is not None and rep["steps"]:
+            rep["augment_ms_mean"] = 1e3 * stage.augment / rep["steps"]
+        context = self._contexts.get(stage.name, {})
+        rep.update(verdict_of(rep, context))
+        rep["advice"] = advise(rep, context, stage.name) if rep["steps"] else []
         return rep
 
 
-def _context(trainer: L.Trainer) -> dict[str, Any]:
+def _context(trainer: L.Trainer, stage: str) -> dict[str, Any]:
+    """What :func:`advise` knows of ``stage``'s ("train" or "validate") pipeline: the plan, its loader, the cores."""
     dm = trainer.datamodule
     try:
-        loader = trainer.train_dataloader
+        loader = trainer.train_dataloader if stage == "train" else trainer.val_dataloaders
     except Exception:  # noqa: BLE001 (a loader the Trainer cannot describe gets no loader advice)
         loader = None
     return {"plan": getattr(dm, "plan", None), "vram_fraction": getattr(dm, "vram_fraction", None),

@@ -105,10 +105,11 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any], stage: str = 
     """Concrete advice from the measured shares and what is known of the input pipeline.
 
     Args:
-        summary: A stage summary (:func:`summarize` plus :func:`verdict_of`).
+        summary: A stage summary (:func:`summarize` plus :func:`verdict_of`; ``augment_ms_mean``, where
+            the data module's loader augmentation was timed).
         context: ``plan`` (a :class:`~lightning_fastdata.plan.Plan` or None),
-            ``vram_fraction``, ``loader`` (``num_workers``, ``pin_memory``, ``kind``),
-            ``cores`` (CPU cores per local rank) and ``device_type``.
+            ``vram_fraction``, ``loader`` (:func:`loader_info`), ``cores`` (CPU cores per local
+            rank) and ``device_type``.
         stage: "train" or "validate": which augmentation the advice names.
     """
     w, c, o = summary["data_wait_frac"], summary["compute_frac"], summary["overhead_frac"]
@@ -149,6 +150,26 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any], stage: str = 
         resources = getattr(plan, "resources", None)
         store = int(getattr(plan, "store_nbytes", 0) or 0)
         stays_on_host = False  # the planner would refuse strategy=device for this store
+        gather_costs = True  # moving the store to the device could cut the wait
+        if not on_device and loader.get("augments"):
+            # A chunked store's loader gathers each batch from host memory, then augments it, both
+            # in its fetch (or ahead of the step in its thread): the wait was blamed on the store's
+            # placement alone, and strategy=device changed nothing when the augmentation was the cost.
+            fetch_ms, step_ms = summary["fetch_ms_mean"], summary["step_ms_mean"]
+            aug_ms = summary.get("augment_ms_mean")
+            where = (f"{lead}: the loader's fetch ({fetch_ms:.1f} ms a step) gathers each batch from host memory "
+                     f"and applies {augment}")
+            if aug_ms is None:  # not timed (the fallback timing): which part costs is unknown
+                advice.append(f"{where}: use a lighter {augment} if it is the cost")
+            else:
+                # Ahead of the step the augmentation overlaps the step: the wait left is counted as
+                # the augmentation's first, as far as it goes, then the gather's.
+                aug_wait = min(aug_ms, fetch_ms)
+                gather_costs = fetch_ms - aug_wait >= DATA_ADVICE_FRAC * step_ms
+                if aug_wait >= DATA_ADVICE_FRAC * step_ms:
+                    advice.append(f"{where} ({aug_ms:.1f} ms a batch): use a lighter {augment}"
+                                  + ("" if gather_costs else f" (the gather's {fetch_ms - aug_wait:.1f} ms is not "
+                                                             "worth moving the store to the device)"))
         if on_device:
             if not host_bound:
                 # The data module's loader gathers and augments in its fetch (ahead of the step
@@ -164,7 +185,7 @@ def advise(summary: Mapping[str, Any], context: Mapping[str, Any], stage: str = 
                               f"fetch, where the data module gathers and augments, {transfer_ms:.1f} in the "
                               f"transfer and batch hooks): use a lighter {augment}"
                               + (f", a larger batch{ahead}" if ahead else " or a larger batch"))
-        elif strategy in ("workers", "chunked") and store and resources is not None:
+        elif strategy in ("workers", "chunked") and store and resources is not None and gather_costs:
             vf = float(context.get("vram_fraction") or 0.6)
             what = "GPU" if resources.device_type == "cuda" else "device"
             total = resources.device_total
@@ -264,7 +285,8 @@ def format_report(report: Mapping[str, Any]) -> str:
 
 
 def loader_info(loader: Any) -> dict[str, Any]:
-    """``kind``, ``num_workers``, ``pin_memory``, ``persistent_workers`` of a loader (first of several)."""
+    """``kind``, ``num_workers``, ``pin_memory``, ``persistent_workers`` of a loader (first of several);
+    for an index loader, ``kind``, ``ahead`` and ``augments``."""
     if isinstance(loader, Mapping):
         loader = next(iter(loader.values()), None)
     elif isinstance(loader, (list, tuple)):
@@ -273,7 +295,9 @@ def loader_info(loader: Any) -> dict[str, Any]:
         return {}
     kind = getattr(getattr(loader, "source", None), "kind", None)
     if kind in ("device", "chunked"):  # the index loader over a device or chunked source
-        return {"kind": kind, "ahead": int(getattr(loader, "ahead", 0) or 0)}
+        # augments: it augments each batch in its fetch (an OptimizedDataModule's loader hook).
+        return {"kind": kind, "ahead": int(getattr(loader, "ahead", 0) or 0),
+                "augments": getattr(loader, "prepare", None) is not None}
     dl = getattr(loader, "dataloader", loader)
     if not hasattr(dl, "num_workers"):
         return {"kind": type(loader).__name__}

@@ -38,7 +38,7 @@ class Stage:
 
     # Slots: the fields a step touches sit together in a few cache lines, read without a dict lookup.
     __slots__ = ("name", "rows", "history", "epochs", "epoch_times", "samples", "pending", "fetch", "transfer",
-                 "prev_end", "epoch_start", "prev_event", "resolved", "logged", "carry")
+                 "prev_end", "epoch_start", "prev_event", "resolved", "logged", "carry", "augment")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -47,6 +47,10 @@ class Stage:
         self.epochs: list[dict[str, Any]] = []
         self.epoch_times: list[float] = []
         self.samples = 0
+        # Seconds an OptimizedDataModule's loader spent augmenting this stage's batches (in its
+        # fetch, or ahead of the step in its thread), over the fit: the report tells it from the
+        # gather. None: not timed (no such data module).
+        self.augment: float | None = None
         self.pending: deque[tuple[list[float], Any, Any, Any]] = deque()
         # The last epoch's rows after its last logged interval: the next interval's mean includes them.
         self.carry: list[Sequence[float]] = []

@@ -644,8 +644,9 @@ def build_store(
             ``tv_tensors`` types (see :func:`field_kinds`); recorded in the manifest and
             part of the fingerprint.
         ragged: Fields whose shape may change from sample to sample (the number of
-            dimensions and the dtype may not): stored end to end with offsets and
-            per-sample shapes (a :class:`~lightning_fastdata.ragged.RaggedArray`).
+            dimensions and the dtype may not, nor an image or mask field's channels: only
+            its spatial size): stored end to end with offsets and per-sample shapes (a
+            :class:`~lightning_fastdata.ragged.RaggedArray`).
         encode: Field -> "jpeg": the field (a uint8 ``(C, H, W)`` image, or JPEG bytes
             as a uint8 1-D tensor) is stored as JPEG bytes, a ragged field that also
             records each image's decoded shape (see :mod:`lightning_fastdata.encode`).

@@ -313,6 +313,44 @@ def with_kinds(infos: list[FieldInfo], spec: dict) -> list[FieldInfo]:
     return [replace(i, kind=k) for i, k in zip(infos, field_kinds(spec), strict=True)]
 
 
+def fixed_leads(infos: Sequence[FieldInfo]) -> dict[int, int]:
+    """Field index -> how many leading dims of each sample must equal sample 0's, for the ragged
+    image and mask fields: all but the spatial dims the augmentations read from the image field
+    (2 for ``(C, H, W)``, 3 for ``(C, D, H, W)``, as :class:`~lightning_fastdata.augment.Batch`
+    infers them for a list of samples). Ragged ``other`` fields (boxes, token lists) may vary in
+    every dim; a store without a 3-D or 4-D image field has nothing to check.
+    """
+    def ndim(info: FieldInfo) -> int:
+        return 3 if info.encoding else len(info.shape)  # an encoded field decodes to (C, H, W)
+
+    image = next((i for i in infos if i.kind == "image"), None)
+    if image is None or ndim(image) not in (3, 4):
+        return {}
+    spatial = ndim(image) - 1
+    return {k: ndim(i) - spatial for k, i in enumerate(infos)
+            if i.ragged and i.kind in ("image", "mask") and ndim(i) > spatial}
+
+
+def lead_error(info: FieldInfo, lead: int, sample: str, shape: Sequence[int], first: str,
+               first_shape: Sequence[int]) -> StoreError:
+    """The error for ``sample`` of a ragged image or mask field whose first ``lead`` dims
+    (channels) differ from sample 0's (``first``), see :func:`fixed_leads`."""
+    shape, first_shape = tuple(int(s) for s in shape), tuple(int(s) for s in first_shape)
+    decoded = " (decoded)" if info.encoding else ""
+    if info.kind == "image":
+        fix = ("give every image the same channels, e.g. image.convert('RGB') before pil_to_tensor, "
+               "torchvision.io.decode_image(path, mode=ImageReadMode.RGB), or x.expand(3, -1, -1) for a "
+               "1-channel tensor")
+    else:
+        fix = "give every mask the same channels (e.g. one: mask[:1])"
+    return StoreError(
+        f"{sample}, {info.kind} field '{info.name}' has shape {shape}{decoded}, {first} has {first_shape}: the "
+        f"samples of a ragged {info.kind} field may differ in their spatial size (the last {len(shape) - lead} dims) "
+        f"only, not in their channels ({'dim 0' if lead == 1 else f'dims 0 to {lead - 1}'}), which the augmentations "
+        f"batch together; in static_transform, {fix}"
+    )
+
+
 def check_like(expected: list[FieldInfo], leaves: list[tuple[str, np.ndarray]], index: int) -> None:
     got = signature(leaves)
     if [f.name for f in got] != [f.name for f in expected]:

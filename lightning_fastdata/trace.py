@@ -7,7 +7,10 @@ global rank), one thread per lane (``tid``), one complete event (``"ph": "X"``, 
 * ``step``: the whole step, from the end of the previous one;
 * ``fetch``, ``transfer``: the loader's fetch and ``batch_to_device`` (timed from the end of
   the fetch, as the data wait is); ``augment``: the datamodule's ``on_after_batch_transfer``,
-  which runs inside the transfer;
+  which runs inside the transfer, and an ``OptimizedDataModule`` loader's augmentation inside
+  the fetch; ``augment (loader thread)``: that augmentation run ahead in the loader's thread
+  (``augment_ahead``), drawn where it ran, overlapping the steps before the one it feeds, and
+  labelled with the step it ended in;
 * ``compute``: the step call (training_step, backward, optimizer step), less any fetch or
   transfer inside it (a ``dataloader_iter`` step: compute in pieces around its fetch); on a
   GPU, the host's time in that call (launching the work);
@@ -30,9 +33,12 @@ from lightning_fastdata._util import atomic_write_text
 from lightning_fastdata.step_timer import COMPUTE, FETCH, IDLE, OVERHEAD, STEP, TRANSFER, Stage
 
 #: Lanes (``tid``) in display order; fetch, transfer, compute, overhead and idle share the row columns' numbers.
-AUGMENT, GPU_COMPUTE = 10, 11
-LANES = ((STEP, "step"), (FETCH, "fetch"), (TRANSFER, "transfer"), (AUGMENT, "augment"), (COMPUTE, "compute"),
-         (OVERHEAD, "overhead"), (GPU_COMPUTE, "gpu compute"), (IDLE, "gpu idle"))
+#: ``AUGMENT_AHEAD``: the loader thread's augmentation, in a lane of its own: it runs while the main
+#: thread's spans do, and no two spans of a lane overlap.
+AUGMENT, GPU_COMPUTE, AUGMENT_AHEAD = 10, 11, 12
+LANES = ((STEP, "step"), (FETCH, "fetch"), (TRANSFER, "transfer"), (AUGMENT, "augment"),
+         (AUGMENT_AHEAD, "augment (loader thread)"), (COMPUTE, "compute"), (OVERHEAD, "overhead"),
+         (GPU_COMPUTE, "gpu compute"), (IDLE, "gpu idle"))
 _NAMES = dict(LANES)
 
 
@@ -44,7 +50,7 @@ class TracedStep:
     row: Sequence[float]
     start: float  # the step call's start (host clock)
     end: float
-    spans: list[tuple[int, float, float]]  # (lane, t0, t1) of fetch, transfer, augment
+    spans: list[tuple[int, float, float]]  # (lane, t0, t1) of fetch, transfer, augment (both lanes)
     events: tuple[Any, Any] | None = None  # (start, end) CUDA events on a GPU
     gpu: list[tuple[int, float, float]] = field(default_factory=list)
 
@@ -68,7 +74,7 @@ class StepTrace:
         self._written_range: tuple[int, int] = (0, 0)
 
     def span(self, lane: int, t0: float, t1: float) -> None:
-        """A span of the step running now (fetch, transfer, augment)."""
+        """A span of the step running now (fetch, transfer, augment), or one the loader's thread ended during it."""
         self._open.append((lane, t0, t1))
 
     def step(self, stage: Stage, row: Sequence[float], start: float, now: float, start_event: Any) -> None:
@@ -81,7 +87,11 @@ class StepTrace:
         if not self.first <= index < self.first + self.count:
             return
         prev_end = now - row[STEP]
-        kept = [s for s in spans if s[1] >= prev_end]
+        # The main thread's spans tile the step: one that started before it (a fetch at the end of
+        # a validation run) is not its own. The loader thread (augment_ahead) augments later
+        # batches while steps run: a span of it that ended in this step is kept whole, where it
+        # ran (dropping those that began in an earlier step dropped nearly all of them).
+        kept = [s for s in spans if s[1] >= prev_end or s[0] == AUGMENT_AHEAD]
         events = (start_event, stage.prev_event) if start_event is not None else None
         self.steps.append(TracedStep(index, row, start, now, kept, events))
 
@@ -162,7 +172,7 @@ def _place_gpu(steps: list[TracedStep]) -> None:
 
 
 def host_spans(s: TracedStep) -> list[tuple[int, float, float]]:
-    """The host lanes of one step: step, fetch/transfer/augment, compute, and overhead filling the gaps.
+    """The host lanes of one step: step, fetch/transfer/augment (both lanes), compute, and overhead filling the gaps.
 
     Compute is the step call less the fetches and transfers inside it (a ``dataloader_iter``
     step fetches in the middle of its call): several pieces then, none overlapping a wait.

@@ -49,3 +49,26 @@ def test_lead_shape_names_the_odd_sample():
     # The fix is in the dataset (decoding has no mode to choose): the hint says so.
     with pytest.raises(ValueError, match=r"sample 1 has shape \(1, 6, 2\).*same channels in the dataset"):
         lead_shape([torch.zeros(3, 4, 5), torch.zeros(1, 6, 2)], 2, "image")
+
+
+def test_lead_shape_names_dataset_indices_when_given():
+    """Before: the error named the position in the batch ("sample 1"), which the user cannot find in the dataset."""
+    xs = [torch.zeros(1, 4, 5), torch.zeros(3, 6, 2)]
+    with pytest.raises(ValueError, match=r"field 'image': sample 41 \(batch position 1\) has shape \(3, 6, 2\) and "
+                                         r"sample 7 \(batch position 0\) \(1, 4, 5\)"):
+        lead_shape(xs, 2, "image", index=torch.tensor([7, 41]))
+    with pytest.raises(ValueError, match=r"sample 41 \(batch position 1\)"):
+        lead_shape(xs, 2, "image", index=[7, 41])
+
+
+@pytest.mark.parametrize("op", ["RandomResizedCrop", "CenterCrop", "RandomCrop"])
+def test_the_size_fixing_ops_name_the_dataset_index_of_a_sample_with_other_channels(op):
+    from lightning_fastdata import augment as A
+    from lightning_fastdata.augment import Batch
+    from lightning_fastdata.keys import SampleKeys
+
+    kwargs = {"pad_if_needed": True} if op == "RandomCrop" else {}
+    xs = [torch.zeros(3, 10, 12, dtype=torch.uint8), torch.zeros(1, 9, 9, dtype=torch.uint8)]
+    batch = Batch({"image": xs}, keys=SampleKeys(0, 0, torch.tensor([41, 7])))
+    with pytest.raises(ValueError, match=r"sample 7 \(batch position 1\) has shape \(1, 9, 9\) and sample 41 "):
+        getattr(A, op)(8, **kwargs)(batch)

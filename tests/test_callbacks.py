@@ -841,3 +841,23 @@ def test_a_rank_above_zero_that_cannot_write_its_trace_says_so(tmp_path, monkeyp
                                          r".*training goes on without it"):
         make_trainer(tmp_path, callbacks=[cb]).fit(SpendingModel(Spend(0.0)), loader(8, 4, Spend(0.0)))
     assert not (tmp_path / "trace.json").exists()
+
+
+@pytest.mark.parametrize("limits, ran", [
+    (dict(limit_train_batches=0), 0), (dict(max_epochs=0), 0), (dict(max_steps=0), 0),
+    (dict(limit_train_batches=2), 2),
+])
+def test_a_fit_that_trains_no_step_at_all_still_warns_that_no_trace_was_written(tmp_path, limits, ran):
+    # Lightning skips on_train_end when the fit trains nothing: the warning, given there, was
+    # never given (limit_train_batches=0, max_epochs=0, max_steps=0). Once, also where it was.
+    import warnings
+
+    path = tmp_path / "trace.json"
+    cb = FastDataCallback(print_report=False, trace=path, trace_steps=(5, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[cb], **limits).fit(SpendingModel(Spend(0.0)), loader(12, 4, Spend(0.0)))
+    said = [str(w.message) for w in caught if "no training step in 5..7" in str(w.message)]
+    assert len(said) == 1, said
+    assert f"this fit ran {ran} training steps; the trace was not written to {path}" in said[0]
+    assert not path.exists() and cb.report()["trace"] is None

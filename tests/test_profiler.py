@@ -967,3 +967,131 @@ def test_framework_overhead_larger_than_data_and_compute_is_host_bound_on_a_cpu(
     # Below the overhead threshold, or not the largest part, the verdict is unchanged.
     assert _summary(0.0, 0.01, 0.01)["verdict"] == "compute-bound"
     assert _summary(0.03, 0.01, 0.02)["verdict"] == "data-bound"
+
+
+# ---------------------------------------------------------------------- review fixes: trace lanes, samples, advice
+
+
+def test_trace_keeps_the_augmentation_the_loader_runs_ahead_in_its_thread(tmp_path):
+    # With augment_ahead the loader augments the next batch during the step: the trace dropped
+    # every such span that began before the step it ended in (1 of 6 was left). Real sleeps: the
+    # loader's thread runs beside the step.
+    from _helpers import TinyDataModule, TinyModel
+
+    path = tmp_path / "trace.json"
+    prof = DataWaitProfiler(print_report=False, trace=path, trace_steps=(0, 6))
+    dm = TinyDataModule(n=48, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="device",
+                        val=False, augment_ahead=1, train_augment=_SpendingAugment(Spend(0.01)))
+    make_trainer(tmp_path, max_epochs=1, callbacks=[prof]).fit(TinyModel(), datamodule=dm)
+    trace = json.load(open(path))
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    ahead = [e for e in events if lanes[e["tid"]] == "augment (loader thread)"]
+    assert len(ahead) == 6 and all(e["dur"] >= 0.01 * 1e6 for e in ahead)  # one per batch, each whole
+    for tid in lanes:  # no two spans of a lane overlap: the loader thread's has its own
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == tid)
+        assert all(end <= nxt + 1e-3 for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False)), lanes[tid]
+    # The main thread's lanes still tile each step.
+    _, by_step = _spans(trace)
+    for spans in by_step.values():
+        (step,) = spans["step"]
+        parts = sum(e["dur"] for k in ("fetch", "transfer", "compute", "overhead") for e in spans.get(k, []))
+        assert parts == pytest.approx(step["dur"], abs=1e-3)
+    assert prof.report()["stages"]["train"]["augment_ms_mean"] >= 10.0
+
+
+class _Named(torch.utils.data.Dataset):
+    """Samples that start with their file name: ``(name, x, y)``, or a dict of the three."""
+
+    def __init__(self, as_dict: bool) -> None:
+        self.as_dict = as_dict
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        name, x, y = f"images/train/img_{i:06d}.jpg", torch.randn(8), i % 2
+        return {"path": name, "x": x, "y": y} if self.as_dict else (name, x, y)
+
+
+class _NamedModel(SpendingModel):
+    def training_step(self, batch, batch_idx):
+        x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch[1:]
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_samples_of_batches_that_start_with_file_names(tmp_path, as_dict):
+    # A batch whose first field is a list of file names counted each name's characters: 4 batches
+    # of 4 samples reported 108 samples (27 characters x 4).
+    from torch.utils.data import DataLoader
+
+    prof = DataWaitProfiler(print_report=False)
+    make_trainer(tmp_path, callbacks=[prof]).fit(_NamedModel(Spend(0.0)), DataLoader(_Named(as_dict), batch_size=4))
+    assert (prof.report()["steps"], prof.report()["samples"]) == (4, 16)
+
+
+def test_validation_advice_describes_the_validation_loader(tmp_path):
+    # The advice of a data-bound validation (a main-process loader) described the training
+    # loader's settings: "workers are saturated: 1 workers + the main process on 2 cores".
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    model = SpendingModel(Spend(COMPUTE, clock), None, Spend(COMPUTE / 4, clock))
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8), torch.zeros(8).long()),
+                                        batch_size=4, num_workers=1, persistent_workers=True)
+    make_trainer(tmp_path, callbacks=[prof]).fit(model, train, loader(8, 4, Spend(FETCH, clock)))
+    val = prof.report()["stages"]["validate"]
+    assert val["verdict"] == "data-bound"
+    assert any("batches are loaded in the main process (num_workers=0)" in a for a in val["advice"]), val["advice"]
+    assert not any("workers are saturated" in a or "1 workers" in a for a in val["advice"])
+
+
+def test_validate_alone_gets_advice_on_its_loader(tmp_path):
+    # trainer.validate alone printed a data-bound verdict with no advice: the loader was read at
+    # the training start only.
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    model = SpendingModel(Spend(COMPUTE, clock), None, Spend(COMPUTE / 4, clock))
+    make_trainer(tmp_path, callbacks=[prof]).validate(model, loader(12, 4, Spend(FETCH, clock)), verbose=False)
+    val = prof.report()["stages"]["validate"]
+    assert val["verdict"] == "data-bound"
+    assert any("(num_workers=0): set num_workers=" in a for a in val["advice"]), val["advice"]
+
+
+def test_chunked_advice_names_the_augmentation_when_it_is_the_wait(tmp_path):
+    # A chunked store's loader gathers and augments in its fetch: a wait that was all augmentation
+    # got "the store fits ...: set strategy=device", which changed nothing.
+    from _helpers import TinyDataModule, TinyModel
+
+    clock = FakeClock()
+    prof = DataWaitProfiler(clock=clock, print_report=False)
+    dm = TinyDataModule(n=48, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy="chunked",
+                        val=False, augment_ahead=0, train_augment=_SpendingAugment(Spend(FETCH, clock)))
+    make_trainer(tmp_path, callbacks=[SpendBeforeBatch(Spend(COMPUTE, clock)), prof]).fit(TinyModel(), datamodule=dm)
+    rep = prof.report()
+    assert rep["verdict"] == "data-bound"
+    assert rep["advice"][0].startswith("data wait is 67% of the step: the loader's fetch (7.8 ms a step) gathers "
+                                       "each batch from host memory and applies train_augment (7.8 ms a batch): "
+                                       "use a lighter train_augment"), rep["advice"]
+    assert not any("strategy=device" in a for a in rep["advice"])
+    assert rep["stages"]["train"]["augment_ms_mean"] == 1e3 * FETCH
+
+
+def test_chunked_advice_moves_the_store_when_the_gather_is_the_wait():
+    plan = Plan("chunked", store_nbytes=int(1.4 * GB), resources=_resources())
+    context = {"plan": plan, "vram_fraction": 0.6, "cores": 8, "device_type": "cuda",
+               "loader": {"kind": "chunked", "ahead": 1, "augments": True}}
+    gather = _summary(0.02, 0.01, 0.0)
+    gather["augment_ms_mean"] = 1.0  # of a 20 ms fetch: the gather is the cost
+    advice = advise(gather, context)
+    assert advice[0] == "data wait is 67% of the step; the store (1.4 GB) fits 60% of this GPU's 80.0 GB: " \
+                        "set strategy=device"
+    both = _summary(0.02, 0.01, 0.0)
+    both["augment_ms_mean"] = 10.0  # half of it: both are worth cutting
+    advice = advise(both, context)
+    assert "applies train_augment (10.0 ms a batch): use a lighter train_augment" in advice[0]
+    assert any(a.endswith("set strategy=device") for a in advice[1:])
+    # Not timed (the fallback timing): which part costs is unknown, both are said.
+    advice = advise(_summary(0.02, 0.01, 0.0), context)
+    assert advice[0].endswith("applies train_augment: use a lighter train_augment if it is the cost")
+    assert any(a.endswith("set strategy=device") for a in advice[1:])

@@ -684,3 +684,33 @@ def test_an_error_reading_a_sample_names_its_file_when_the_source_lists_paths(tm
         assert raised.value.__notes__ == [f"lightning_fastdata: raised while caching sample 1 ({path}) (the source's "
                                           "item 1, then static_transform)"]
         assert not list((tmp_path / "cache").rglob("field_*"))
+
+
+class _FailsAt(CountingDataset):
+    """CountingDataset whose sample ``bad`` raises, as a corrupt file does in the user's loader."""
+
+    def __init__(self, n: int, bad: int | None) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise OSError(f"cannot identify image file {i}")
+        return super().__getitem__(i)
+
+
+def test_a_failed_parallel_build_stops_its_workers_and_a_retry_is_quiet(cache_dir, capfd):
+    """Before: the fill's DataLoader iterator, abandoned by the exception, was kept alive by its
+    traceback, and so were its two workers (mapping the deleted temporary files) until a gc cycle;
+    a retry in the same process (a notebook) printed "Exception ignored in
+    _MultiProcessingDataLoaderIter.__del__ ... can only test a child process"."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(OSError, match="cannot identify image file 17") as failed:
+        build_store(_FailsAt(40, 17), lambda s: s, cache_dir, num_workers=2, probes=2, progress=False)
+    assert failed.value is not None  # the traceback is still held here, as in a notebook's last error
+    assert set(multiprocessing.active_children()) == before
+    store = build_store(_FailsAt(40, None), lambda s: s, cache_dir, num_workers=2, probes=2, progress=False)
+    assert len(store) == 40 and set(multiprocessing.active_children()) == before
+    assert "Exception ignored" not in capfd.readouterr().err

@@ -121,3 +121,62 @@ def test_ndarrays_torch_cannot_hold_are_refused_naming_the_field_before_writing(
         build_store(Items(3, lambda i: {"image": torch.zeros(2), "name": value}), lambda s: s, cache_dir,
                     progress=False)
     assert not list(cache_dir.glob("train-*"))  # no cache that every later run would trip on
+
+
+class _Photos(Dataset):
+    """Images of the given channel counts and varying size, listed in ``samples`` as ImageFolder lists its files."""
+
+    def __init__(self, root, channels) -> None:
+        self.channels = channels
+        self.samples = []
+        for i in range(len(channels)):
+            (root / f"img{i}.jpg").write_bytes(b"")  # only named, never read
+            self.samples.append((str(root / f"img{i}.jpg"), 0))
+
+    def __len__(self) -> int:
+        return len(self.channels)
+
+    def __getitem__(self, i: int):
+        return {"image": torch.full((self.channels[i], 5 + i, 7), 9 * i, dtype=torch.uint8), "label": i}
+
+
+@pytest.mark.parametrize("encode,workers", [(None, 0), (None, 2), ({"image": "jpeg"}, 0)])
+def test_a_ragged_image_field_whose_channels_change_is_refused_at_build_naming_the_first_file(
+        tmp_path, encode, workers):
+    """Before: a source keeping each file's channels (PIL without convert('RGB'), decode_image) built
+    a ragged=["image"] store; training then failed on the first batch mixing 1 and 3 channels, naming
+    a batch position ("sample 1"), not a dataset index, and no file."""
+    (tmp_path / "photos").mkdir()
+    source = _Photos(tmp_path / "photos", [3, 3, 1, 3, 1])
+    with pytest.raises(StoreError) as err:
+        build_store(source, lambda s: s, tmp_path / "cache", ragged=["image"], encode=encode, num_workers=workers,
+                    probes=2, progress=False)
+    decoded = " (decoded)" if encode else ""
+    assert str(err.value).startswith(
+        f"sample 2 ({tmp_path}/photos/img2.jpg), image field 'image' has shape (1, 7, 7){decoded}, sample 0 "
+        f"({tmp_path}/photos/img0.jpg) has (3, 5, 7): the samples of a ragged image field may differ in their "
+        "spatial size (the last 2 dims) only, not in their channels (dim 0)")
+    assert "image.convert('RGB') before pil_to_tensor" in str(err.value)
+    assert not list((tmp_path / "cache").glob("train-*")) and not list((tmp_path / "cache").glob(".tmp*"))
+
+
+def test_ragged_fields_that_may_change_every_dim_still_build(cache_dir):
+    """Only the channels of image and mask fields are held: boxes (K, 4) of varying K, volumes
+    (1, D, H, W) with (D, H, W) masks of varying D, and a field declared 'other' may vary freely."""
+    def sample(i):
+        return {"vol": torch.zeros(1, 2 + i, 3, 4), "seg": torch.zeros(2 + i, 3, 4, dtype=torch.uint8),
+                "boxes": torch.zeros(i, 4)}
+
+    store = build_store(Items(4, sample), lambda s: s, cache_dir, ragged=["vol", "seg", "boxes"],
+                        field_kinds={"seg": "mask"}, progress=False)
+    assert store.kinds == {"vol": "image", "seg": "mask", "boxes": "other"}
+    assert [store.fields[1][i].shape for i in range(4)] == [(2 + i, 3, 4) for i in range(4)]
+    spectra = build_store(Items(4, lambda i: {"spec": torch.zeros(1 + i, 3, 5)}), lambda s: s, cache_dir / "o",
+                          ragged=["spec"], field_kinds={"spec": "other"}, progress=False)
+    assert [spectra.fields[0][i].shape[0] for i in range(4)] == [1, 2, 3, 4]
+    # a mask's channels are held like an image's
+    with pytest.raises(StoreError, match=r"sample 1, mask field 'seg' has shape \(2, 3, 4\), sample 0 has "
+                                         r"\(1, 2, 4\).*give every mask the same channels"):
+        build_store(Items(3, lambda i: {"image": torch.zeros(3, 2 + i, 4), "seg": torch.zeros(1 + i % 2, 2 + i, 4)}),
+                    lambda s: s, cache_dir / "m", ragged=["image", "seg"], field_kinds={"seg": "mask"},
+                    progress=False)
