@@ -283,7 +283,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"target": f"chunked >= {TARGETS['chunked_over_copy']:.0%} of the pinned copy, {r['rows']}",
                      "value": value, "met": None if value is None else value >= TARGETS["chunked_over_copy"]})
     d = result.get("demo")
-    value = None if not d else d["fastdata"]["data_wait_frac"]
+    # The last epoch's wait (the first one's includes set-up); older demo results hold all epochs'.
+    value = None if not d else d["fastdata"].get("data_wait_frac_last_epoch", d["fastdata"]["data_wait_frac"])
     rows.append({"target": f"demo's fastdata data wait < {TARGETS['demo_data_wait_frac']:.0%}", "value": value,
                  "met": None if value is None or result["device"] == "cpu" else
                  value < TARGETS["demo_data_wait_frac"]})

@@ -8,7 +8,7 @@ model is trained three times from the same seed:
 
 * plain: ``torchvision.datasets.ImageFolder`` (PIL decode in ``__getitem__``), per-sample
   torchvision transforms, a ``DataLoader`` at the ``num_workers`` measured fastest for
-  this pipeline among 0..cores (``--num-workers`` forces one);
+  this pipeline among 0..cores (median of 3 turns each; ``--num-workers`` forces one);
 * fastdata, twice: :class:`DemoImages`, an :class:`~lightning_fastdata.OptimizedDataModule`
   over the same folders (decoded once into a cached uint8 store, augmented in batches on
   the device), with :class:`~lightning_fastdata.FastDataCallback`; the first run builds
@@ -29,12 +29,13 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -416,11 +417,14 @@ def _result(
     rep = profiler.report()
     per_epoch = rep["samples"] / max(epochs, 1)
     epoch_s = rep["epoch_time_s"]
+    # The last epoch's wait, as its time: the first also holds the plain DataLoader starting its workers.
+    train_epochs = rep["stages"]["train"]["epochs"]
     return {
         "name": name,
         "epoch_time_s": epoch_s,
         "samples_per_s": per_epoch / epoch_s if epoch_s else 0.0,
-        "data_wait_frac": rep["data_wait_frac"],
+        "data_wait_frac": rep["data_wait_frac"],  # over every epoch (the figure of earlier results)
+        "data_wait_frac_last_epoch": train_epochs[-1]["data_wait_frac"] if train_epochs else None,
         "val_acc": model.val_acc,
         "steps": rep["steps"],
         "samples": rep["samples"],
@@ -473,28 +477,63 @@ def _epochs(loader: Any) -> Any:
         yield from loader
 
 
+#: How often each ``num_workers`` candidate is timed (round-robin); the median of its repeats is its rate.
+WORKER_REPEATS = 3
+
+
 def measure_plain_workers(
-    path: Path, batch_size: int, candidates: Sequence[int], device: torch.device | str = "cpu"
-) -> dict[int, float]:
-    """Loader-only samples/s of the plain training pipeline for each ``num_workers`` candidate.
+    path: Path,
+    batch_size: int,
+    candidates: Sequence[int],
+    device: torch.device | str = "cpu",
+    repeats: int = WORKER_REPEATS,
+) -> dict[int, list[float]]:
+    """Loader-only samples/s of the plain training pipeline, ``repeats`` times per ``num_workers`` candidate.
 
     The same ImageFolder + per-sample transforms + DataLoader as :func:`run_plain`, each
-    batch moved to ``device``; per candidate, ``2 + num_workers`` warm-up batches (the
-    workers are started and the first batches they made all at once are drained) before
-    ``8 + num_workers`` timed ones (see :func:`~lightning_fastdata.autotune.time_loader`).
+    batch moved to ``device``. The candidates take turns (0, 1, 2, 0, 1, 2, ...), so a busy
+    spell of the machine falls on all of them rather than on one. Each turn starts the
+    candidate's workers afresh (kept between turns, their prefetching would run into the
+    next candidate's timing), drains ``2 + num_workers`` warm-up batches (the first batches
+    the workers made all at once) and times ``4 + num_workers`` (see
+    :func:`~lightning_fastdata.autotune.time_loader`).
+
+    Returns:
+        Per candidate, the rate of each turn, in the order taken.
     """
     from torchvision.datasets import ImageFolder
 
     from lightning_fastdata.autotune import time_loader
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     train_tf, _ = _plain_transforms()
     dataset = ImageFolder(str(path / "train"), transform=train_tf)
-    rates: dict[int, float] = {}
-    for nw in candidates:
-        loader = _plain_loader(dataset, batch_size, True, nw, persistent=False)
-        # Closing the generator drops the loader's iterator, which stops its workers now.
-        rates[nw] = time_loader(_epochs(loader), device, batches=8 + nw, warmup=2 + nw)[0]
+    rates: dict[int, list[float]] = {nw: [] for nw in candidates}
+    for _ in range(repeats):
+        for nw in candidates:
+            loader = _plain_loader(dataset, batch_size, True, nw, persistent=False)
+            # Closing the generator drops the loader's iterator, which stops its workers now.
+            rates[nw].append(time_loader(_epochs(loader), device, batches=4 + nw, warmup=2 + nw)[0])
     return rates
+
+
+def pick_workers(rates: Mapping[int, Sequence[float]]) -> tuple[int, int | None]:
+    """The candidate with the highest median rate, and the runner-up if the two are within the noise.
+
+    Within the noise means their repeats overlap (the best one's slowest repeat is no faster
+    than the runner-up's fastest): which of the two is faster is then chance.
+
+    Args:
+        rates: Per ``num_workers``, the rate of each repeat (as :func:`measure_plain_workers` returns).
+    """
+    if not rates or not all(rates.values()):
+        raise ValueError(f"rates must give at least one repeat per candidate, got {dict(rates)!r}")
+    order = sorted(rates, key=lambda nw: (-statistics.median(rates[nw]), nw))
+    best = order[0]
+    if len(order) > 1 and min(rates[best]) <= max(rates[order[1]]):
+        return best, order[1]
+    return best, None
 
 
 def run_plain(
@@ -641,14 +680,50 @@ def _fmt_ratio(r: float | None) -> str:
     return f"{r:.2f}x" if r >= 1 else f"{r:.2f}x (slower)"
 
 
-def _workers_line(plain: dict[str, Any]) -> str | None:
+def _workers_lines(plain: dict[str, Any]) -> list[str]:
+    """The measured rates by ``num_workers``: each median with its repeats' range, and whether the top two are apart."""
     rates = plain.get("workers_measured")
     if not rates:
-        return None
-    by = " / ".join(f"{k}: {v:,.0f}" for k, v in sorted(rates.items(), key=lambda kv: int(kv[0])))
+        return []
+    repeats = plain.get("workers_repeats")  # absent from results written before the repeats
+    keys = sorted(rates, key=int)
     took = plain.get("measure_s")
     took_s = f"; measured in {took:.1f} s before the runs" if took is not None else ""
-    return f"          loader-only samples/s by num_workers: {by}{took_s}"
+    if not repeats:
+        by = " / ".join(f"{k}: {rates[k]:,.0f}" for k in keys)
+        return [f"          loader-only samples/s by num_workers: {by}{took_s}"]
+    by = " / ".join(f"{k}: {rates[k]:,.0f} ({min(repeats[k]):,.0f}-{max(repeats[k]):,.0f})" for k in keys)
+    turns = min(len(v) for v in repeats.values())
+    lines = [f"          loader-only samples/s by num_workers, median (range) of {turns} turns taken in "
+             f"rotation: {by}{took_s}"]
+    best, runner_up = pick_workers({int(k): v for k, v in repeats.items()})
+    if runner_up is not None:
+        lines.append(f"          {best} and {runner_up} workers are within the noise (their repeats overlap): "
+                     "which of the two is faster is chance")
+    return lines
+
+
+def _loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, or None where the system does not tell."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):  # not on Windows
+        return None
+
+
+def _loadavg_line(result: dict[str, Any]) -> str | None:
+    before, after = result.get("loadavg_before"), result.get("loadavg_after")
+    if before is None and after is None:
+        return None
+
+    def fmt(v: list[float] | None) -> str:
+        return " ".join(f"{x:.2f}" for x in v) if v else "-"
+
+    line = f"load average (1/5/15 min): {fmt(before)} before the demo, {fmt(after)} after"
+    cores = result.get("cores")
+    if before and cores and before[0] > cores:
+        line += f"; busy: above its {cores} cores before it started, so every timing shared them"
+    return line
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -666,6 +741,13 @@ def format_table(result: dict[str, Any]) -> str:
         # printed (from the unrounded times) to within 0.5%, not 3% as with two on 0.2 s epochs.
         return "not measured" if v is None else f"{v:.3f} s"
 
+    def pct(v: float | None) -> str:
+        return "not measured" if v is None else f"{v:.1%}"
+
+    # Results written before the demo kept the last epoch's wait have only the all-epochs one.
+    last = "data_wait_frac_last_epoch" in plain and "data_wait_frac_last_epoch" in fast
+    wait_key = "data_wait_frac_last_epoch" if last else "data_wait_frac"
+    wait_label = "step time waiting for data (last epoch)" if last else "step time waiting for data (all epochs)"
     rows = [
         ("", "plain", "fastdata", "speed-up"),
         (
@@ -680,12 +762,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{fast['samples_per_s']:,.0f}",
             _fmt_ratio(ratios["samples_per_s"]),
         ),
-        (
-            "step time waiting for data",
-            f"{plain['data_wait_frac']:.1%}",
-            f"{fast['data_wait_frac']:.1%}",
-            "",
-        ),
+        (wait_label, pct(plain.get(wait_key)), pct(fast.get(wait_key)), ""),
         (
             f"val accuracy after {result['epochs']} epochs",
             f"{plain['val_acc']:.1%}",
@@ -715,11 +792,10 @@ def format_table(result: dict[str, Any]) -> str:
         for r in rows
     ]
     lines.insert(1, "-" * max(len(line) for line in lines))
-    head = [f"plain:    {plain['name']}"]
-    workers = _workers_line(plain)
-    if workers:
-        head.append(workers)
-    head.append(f"fastdata: {fast['name']}")
+    head = [f"plain:    {plain['name']}", *_workers_lines(plain), f"fastdata: {fast['name']}"]
+    load = _loadavg_line(result)
+    if load:
+        head.append(load)
     return "\n".join([*head, "", *lines])
 
 
@@ -728,7 +804,8 @@ whole fit: from building the loaders (plain) or the data module (fastdata) to th
 trainer.fit, so fastdata's first run includes building its cache in prepare_data; the
 plain run has no cache, so its one whole fit is on both rows. The other rows are from
 fastdata's first run. A speed-up below 1x is a loss.
-waiting for data: share of the training steps' wall time spent between the end of one
+waiting for data: in the last epoch (as the epoch time: the first also starts the plain
+run's workers), the share of the training steps' wall time spent between the end of one
 step and the start of the next (fetch, host-to-device copy, augmentation launch)."""
 
 
@@ -806,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json-out", default=None, help="also write the results as JSON to this file")
     args = p.parse_args(argv)
+    loadavg_before = _loadavg()  # before the demo adds its own load
     if args.epochs < 2:
         # The report's epoch rows time the last epoch; with one epoch that is the first, which
         # includes the plain DataLoader's worker start-up but not fastdata's set-up (done before it).
@@ -835,19 +913,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # OptimizedDataModule keeps freed host memory on a CPU run (host_memory.py), for the
         # whole process: set before the plain run too, so every run has the same malloc.
         keep_freed_memory()
-    rates: dict[int, float] | None = None
+    rates: dict[int, list[float]] | None = None
     measure_s: float | None = None
     if args.num_workers is None:
         candidates = worker_candidates(cores)
         print(
             f"measuring the plain DataLoader at num_workers {'/'.join(map(str, candidates))} "
-            "(loader only) ...",
+            f"(loader only, {WORKER_REPEATS} turns each, in rotation) ...",
             flush=True,
         )
         t0 = time.perf_counter()
         rates = measure_plain_workers(path, args.batch_size, candidates, device)
         measure_s = time.perf_counter() - t0
-        nw = max(rates, key=lambda k: rates[k])
+        nw, _ = pick_workers(rates)
         name = f"plain DataLoader (best of {'/'.join(map(str, candidates))} workers: {nw})"
     else:
         nw = args.num_workers
@@ -855,7 +933,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"run 1/3: {name} ...", flush=True)
     plain = run_plain(path, args.epochs, args.batch_size, args.seed, work_dir, nw, name)
     plain.update(
-        workers_measured={str(k): v for k, v in rates.items()} if rates else None,
+        # The median of each candidate's repeats (the single rate in earlier results), and the repeats.
+        workers_measured={str(k): statistics.median(v) for k, v in rates.items()} if rates else None,
+        workers_repeats={str(k): v for k, v in rates.items()} if rates else None,
         measure_s=measure_s,
     )
     cache_dir = _fresh_cache(Path(args.cache_dir or work_dir / "cache"))
@@ -886,6 +966,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cores": cores,
         "torch_threads": torch.get_num_threads(),
         "host_memory": host_memory_state(),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": _loadavg(),
         "torch": torch.__version__,
         "lightning": L.__version__,
         "command": " ".join(["python -m lightning_fastdata.demo", *(sys.argv[1:] if argv is None else argv)]),

@@ -458,15 +458,19 @@ class ChunkBuffers:
         self.infos = [(tuple(shape), dtype) for shape, dtype in infos]
         self.slots: list[list[torch.Tensor]] = []
         self.staging: list[torch.Tensor] | None = None
-        try:
-            for _ in range(2):
-                self.slots.append([device_empty((rows, *shape), dtype, self.device) for shape, dtype in infos])
-        except BaseException:
-            self.slots = []  # free the partial buffers before the error travels up
-            raise
-        if self.device.type != "cpu":
-            self.staging = [staging_empty((rows, *shape), dtype, pin=pin and self.device.type == "cuda")
-                            for shape, dtype in infos]
+        # Ordinary tensors even when made under inference mode (a setup or a validation's rechunk
+        # inside ``torch.inference_mode()``): the fill thread, outside it, writes into them, and
+        # torch refuses an in-place update of an inference tensor there.
+        with torch.inference_mode(False):
+            try:
+                for _ in range(2):
+                    self.slots.append([device_empty((rows, *shape), dtype, self.device) for shape, dtype in infos])
+            except BaseException:
+                self.slots = []  # free the partial buffers before the error travels up
+                raise
+            if self.device.type != "cpu":
+                self.staging = [staging_empty((rows, *shape), dtype, pin=pin and self.device.type == "cuda")
+                                for shape, dtype in infos]
 
     @classmethod
     def for_store(cls, store: Store, device: torch.device | str, chunk_bytes: int, batch_size: int,

@@ -3,16 +3,19 @@
 The node's local rank 0 (the leader) creates one segment per store in ``/dev/shm``
 (exclusively, owner-only, never through a symlink), reserves its size with
 ``posix_fallocate`` (so a full ``/dev/shm`` is an error up front, never a SIGBUS later),
-copies the store in and sets a ready flag. The other local ranks attach read-only and
-verify the header (magic, format version, job token, fingerprint, size, layout, ready).
-Once every local rank has attached, the leader unlinks the names: the memory lives
-exactly as long as some process maps it, so nothing outlives the job. DataLoader workers
-read the same pages: forked ones inherit the mapping; spawned ones receive a duplicate of
-the file descriptor when the dataset is pickled (:class:`SharedArray`). A segment left by
-a leader killed between create and unlink is removed by the sweep at the next start. The
-leader holds a shared ``flock`` on each segment from before its name exists, and the sweep
-removes only a segment it can lock exclusively: the pid in a name means nothing to a job
-in another PID namespace sharing ``/dev/shm`` (containers with ``--ipc=host``).
+copies the store in and sets a ready flag, all while the segment has no name
+(``O_TMPFILE``): a leader killed while copying leaves nothing. Only then does it link
+the names. The other local ranks attach read-only and verify the header (magic, format
+version, job token, fingerprint, size, layout, ready). Once every local rank has
+attached, the leader unlinks the names: the memory lives exactly as long as some process
+maps it, so nothing outlives the job. DataLoader workers read the same pages: forked ones
+inherit the mapping; spawned ones receive a duplicate of the file descriptor when the
+dataset is pickled (:class:`SharedArray`). A segment left by a leader killed between
+linking and unlinking (or while copying, where segments must be created by name: no
+``O_TMPFILE``, no ``/proc``) is removed by the sweep at the next start. The leader holds a
+shared ``flock`` on each segment from before its name exists, and the sweep removes only a
+segment it can lock exclusively: the pid in a name means nothing to a job in another PID
+namespace sharing ``/dev/shm`` (containers with ``--ipc=host``).
 
 Python's ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks a
 segment when the first attaching process exits and warns about "leaked" segments.
@@ -215,17 +218,19 @@ class _Handle:
     """What a spawned process receives for a segment: a duplicated descriptor and the header's facts.
 
     All fields of a segment share one handle object, so pickle memoises it and the
-    descriptor crosses once per process start.
+    descriptor crosses once per process start. It copies the segment's facts rather than
+    pointing back at it: a cycle would keep the mapping (the whole store) until a garbage
+    collection.
     """
 
     def __init__(self, seg: Segment) -> None:
-        self.seg = seg
+        self.facts = (seg.fd, seg.name, seg.size, seg.token, seg.fingerprint, seg.layout)
 
     def __reduce__(self) -> Any:
         from multiprocessing.reduction import DupFd
 
-        s = self.seg
-        return _attach_handle, (DupFd(s.fd), s.name, s.size, s.token, s.fingerprint, s.layout)
+        fd, *rest = self.facts
+        return _attach_handle, (DupFd(fd), *rest)
 
 
 def _field(mm: mmap.mmap, index: int) -> np.ndarray:
@@ -317,6 +322,7 @@ class Segment:
         token: The job's random token (also in the header).
         fingerprint: The store's fingerprint.
         layout: Per array (a field, or one part of a ragged field): field, role, dtype, shape, offset, size.
+        named: This process gave the segment its name (the leader), so :meth:`unlink` may remove it.
     """
 
     name: str
@@ -327,6 +333,7 @@ class Segment:
     fingerprint: str
     layout: list[dict[str, Any]]
     closed: bool = False
+    named: bool = False
 
     def __post_init__(self) -> None:
         self.handle = _Handle(self)
@@ -360,16 +367,45 @@ class Segment:
                                        parts.get("decoded")))
         return out
 
+    def publish(self) -> None:
+        """Link a nameless segment (filled and ready) to its name, for the other local ranks.
+
+        Raises:
+            FileExistsError: the name exists (never followed, never replaced).
+        """
+        if not self.named:
+            _link(self.fd, self.path)
+            self.named = True
+
     def unlink(self) -> None:
-        """Remove the name (the memory stays while mapped); idempotent."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        """Remove the name this process gave (the memory stays while mapped); idempotent."""
+        if self.named:
+            self.named = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def release(self) -> None:
-        """Close the descriptor; the pages go with the last view of :meth:`arrays`."""
+        """Close the descriptor, and the mapping unless a view of :meth:`arrays` still holds it
+        (the pages then go with the last view)."""
         if not self.closed:
             self.closed = True
             self._closer()  # closes once: the finalizer is spent
+            with contextlib.suppress(BufferError):
+                self.mm.close()
+
+
+def _link(fd: int, path: Path) -> None:
+    """Give the nameless file ``fd`` the name ``path``, through its ``/proc/self/fd`` link.
+
+    ``linkat`` must follow that link: ``os.link`` without a directory descriptor calls
+    ``link``, which links the ``/proc`` entry itself and fails (EXDEV), so a directory
+    descriptor is passed.
+    """
+    d = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=d, follow_symlinks=True)
+    finally:
+        os.close(d)
 
 
 def _close_fd(fd: int) -> None:
@@ -423,16 +459,21 @@ def _memmap_view_offset(arr: np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0] - base.__array_interface__["data"][0])
 
 
-def _open_locked(path: Path) -> int:
-    """Create ``path`` exclusively and owner-only, holding a shared ``flock`` on it.
+def _open_locked(path: Path) -> tuple[int, bool]:
+    """Create the file of segment ``path`` owner-only, holding a shared ``flock`` on it.
 
     The lock tells :func:`sweep_stale` in any PID namespace that the segment's owner lives
     (the kernel drops it with the owner's last descriptor). Where the kernel allows, the
-    file is made nameless (``O_TMPFILE``), locked, then linked to its name, so no sweep can
-    find it unlocked; ``link`` fails on an existing name, symlinks included.
+    file is nameless (``O_TMPFILE``) until :meth:`Segment.publish` links it, filled, to its
+    name: a creator killed before then leaves nothing, and no sweep can find it unlocked;
+    ``link`` fails on an existing name, symlinks included. Elsewhere it is created by name,
+    exclusively.
+
+    Returns:
+        The descriptor, and whether ``path`` names the file already.
 
     Raises:
-        FileExistsError: ``path`` exists.
+        FileExistsError: ``path`` exists (when created by name).
     """
     try:
         fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -441,14 +482,15 @@ def _open_locked(path: Path) -> int:
     if fd >= 0:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
-            return fd
+            _probe_link(path)
+            return fd, False
         except BaseException as e:
             os.close(fd)
-            if isinstance(e, FileExistsError) or not isinstance(e, OSError):
+            if not isinstance(e, OSError):
                 raise
-            # No /proc to link through: create by name below; the sweep's pid check covers
-            # the instant between create and lock in this PID namespace.
+            # Nameless files cannot be linked here (no /proc, a sandbox's rules): create by
+            # name below; the sweep's pid check covers the instant between create and lock
+            # in this PID namespace.
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -457,18 +499,35 @@ def _open_locked(path: Path) -> int:
             os.unlink(path)
         os.close(fd)
         raise
-    return fd
+    return fd, True
+
+
+def _probe_link(path: Path) -> None:
+    """Link and unlink an empty nameless file beside ``path``: the segment is linked only once
+    filled, and a failure must show before that (an empty name a kill leaves goes at a sweep).
+
+    Raises:
+        OSError: nameless files cannot be linked here (no ``/proc``, a sandbox's rules).
+    """
+    fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    probe = path.with_name(path.name + "-probe")
+    try:
+        _link(fd, probe)
+        os.unlink(probe)
+    finally:
+        os.close(fd)
 
 
 def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, Any]],
-            store: Store, falling_back: bool = False) -> Segment:
+            store: Store, falling_back: bool = False, publish: bool = True) -> Segment:
     """Create, reserve and fill one segment (leader only); nothing is left on any error.
 
     The descriptor keeps the shared lock of :func:`_open_locked` for the segment's life.
+    ``publish=False`` leaves a nameless segment nameless (:meth:`Segment.publish` names it).
     """
     path = SHM_DIR / name
     try:
-        fd = _open_locked(path)
+        fd, named = _open_locked(path)
     except OSError as e:
         # A tmpfs out of inodes (nr_inodes) or a quota refuses the file itself, with bytes free.
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -492,14 +551,22 @@ def _create(name: str, size: int, token: str, fp: str, layout: list[dict[str, An
         _fill(fd, store, layout)
         _pwrite_all(fd, memoryview(struct.pack("<I", 1)), _READY_OFFSET)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        return Segment(name, fd, mm, size, token, fp, layout)
+        seg = Segment(name, fd, mm, size, token, fp, layout, named=named)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if named:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if mm is not None:
             mm.close()
         os.close(fd)
         raise
+    if publish:
+        try:
+            seg.publish()
+        except BaseException:
+            seg.release()  # a FileExistsError: the name is another's, so it stays
+            raise
+    return seg
 
 
 def _attach(name: str, size: int, token: str, fp: str, layout: list[dict[str, Any]]) -> Segment:
@@ -623,10 +690,7 @@ def _unlink_on_sigterm(paths: list[Path]) -> Any:
 def _discard(segments: Iterable[Segment]) -> None:
     """Close the descriptors and mappings of segments that no caller receives."""
     for seg in segments:
-        seg.release()
-        # No view of a discarded segment was handed out; should one exist, it keeps the pages.
-        with contextlib.suppress(BufferError):
-            seg.mm.close()
+        seg.release()  # no view of it was handed out: its mapping closes too
 
 
 def _node_ranks(rank: int, local_rank: int, local_world_size: int) -> tuple[int, list[int]]:
@@ -707,7 +771,7 @@ def share_stores(
     sizes = {s: _segment_size(layouts[s]) for s in splits}
     total = sum(sizes.values())
 
-    # 2. The leader checks the space, creates, reserves and fills; names stay until step 4.
+    # 2. The leader checks the space, creates, reserves, fills and names; names stay until step 4.
     segments: dict[str, Segment] = {}
     kept = False
     try:
@@ -728,9 +792,13 @@ def share_stores(
                     names = {s: _segment_name(token, s) for s in splits}
                     guard.enter_context(_unlink_on_sigterm([SHM_DIR / n for n in names.values()]))
                     try:
+                        # Every split is filled before any is named: a leader killed while
+                        # copying a later split leaves no earlier one behind either.
                         for s in splits:
                             segments[s] = _create(names[s], sizes[s], token, fps[s], layouts[s], stores[s],
-                                                  falling_back=fallback)
+                                                  falling_back=fallback, publish=False)
+                        for s in splits:
+                            segments[s].publish()
                             outcome["names"][s] = names[s]
                     except SharedMemoryError as e:
                         outcome.update(error=str(e), short=True)

@@ -2,6 +2,7 @@
 
 Modes:
     stall-in-fill          one process that stops inside the leader's fill (prints "filling")
+    stall-named            one that stops once its segment is named, before it unlinks it (prints "named")
     gloo-rank OUT          a rank of a plain gloo job calling ``share_stores``
     fit-rank CACHE OUT MODE N  a rank of a Lightning ``ddp`` fit on CPU ("normal", "raise", "slow")
     device-jpeg-rank OUT   a rank of a gloo job placing a JPEG store with the ``device`` strategy
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import zlib
@@ -40,9 +42,16 @@ class IndexedImages(torch.utils.data.Dataset):
         return torch.randint(0, 256, SHAPE, dtype=torch.uint8, generator=g), i
 
 
+def is_segment(target: str) -> bool:
+    """Whether a mapping's or a descriptor's target is one of this package's segments: its name,
+    or (the leader's, created nameless with ``O_TMPFILE`` and linked later) ``/dev/shm/#<inode>``."""
+    path = Path(target.strip().removesuffix(" (deleted)"))
+    return (path.name.startswith(os.environ.get("LIGHTNING_FASTDATA_SHM_PREFIX", "lfd_"))
+            or (path.parent == Path("/dev/shm") and re.fullmatch(r"#\d+", path.name) is not None))
+
+
 def shm_mappings(pid: int | str = "self") -> list[tuple[int, int]]:
     """(inode, bytes) of every mapping of this package's segments in ``pid``."""
-    prefix = os.environ.get("LIGHTNING_FASTDATA_SHM_PREFIX", "lfd_")
     out = []
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -51,21 +60,32 @@ def shm_mappings(pid: int | str = "self") -> list[tuple[int, int]]:
         return out
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) == 6 and Path(parts[5].strip().removesuffix(" (deleted)")).name.startswith(prefix):
+        if len(parts) == 6 and is_segment(parts[5]):
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             out.append((int(parts[4]), hi - lo))
     return out
 
 
-def _stall_in_fill() -> None:
+def _stall(where: str) -> None:
+    """A leader that stops inside its fill, or once its segment is named (the collective that
+    tells the other local ranks the names), until a signal ends it."""
     from lightning_fastdata import shared
     from lightning_fastdata.store import Store
 
     def stall(*args, **kwargs):
-        print("filling", flush=True)
+        print(where, flush=True)
         time.sleep(120)
 
-    shared._fill = stall
+    if where == "filling":
+        shared._fill = stall
+    else:
+        real, calls = shared.D.all_gather_object, [0]
+
+        def gather(obj):
+            calls[0] += 1
+            return stall() if calls[0] == 2 else real(obj)
+
+        shared.D.all_gather_object = gather
     store = Store.from_arrays((np.zeros((16, 1024), np.uint8),), fingerprint="s" * 64)
     shared.share_stores({"train": store})
 
@@ -271,7 +291,9 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     what = sys.argv[1]
     if what == "stall-in-fill":
-        _stall_in_fill()
+        _stall("filling")
+    elif what == "stall-named":
+        _stall("named")
     elif what == "gloo-rank":
         _gloo_rank(Path(sys.argv[2]))
     elif what == "device-jpeg-rank":

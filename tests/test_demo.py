@@ -15,7 +15,8 @@ import pytest
 from _helpers import run_demo
 from PIL import Image
 
-from lightning_fastdata import host_memory
+from lightning_fastdata import autotune, host_memory
+from lightning_fastdata import demo as demo_module
 from lightning_fastdata._util import cpu_count
 from lightning_fastdata.demo import (
     CLASSES,
@@ -27,6 +28,9 @@ from lightning_fastdata.demo import (
     format_table,
     is_complete,
     make_dataset,
+    measure_plain_workers,
+    pick_workers,
+    run_plain,
     speedups,
     worker_candidates,
 )
@@ -126,9 +130,82 @@ def test_table_says_losses_as_plainly_as_wins():
     assert "2.500 s" in rows["of which prepare_data (cache build)"]
     assert rows["whole fit, cache reused"].endswith("2.00x")
     assert "0: 900 / 1: 1,200 / 2: 1,100; measured in 1.5 s" in table
+    # A result from before the last epoch's wait was kept shows its figure over every epoch, said so.
+    assert "step time waiting for data (all epochs)" in table
     # A run that was not made is said so, not left out or guessed.
     table = format_table({**result, "fastdata_cached": None})
     assert "not measured" in next(line for line in table.splitlines() if line.startswith("whole fit, cache reused"))
+
+
+def test_worker_counts_are_timed_in_turns_and_picked_by_median(tmp_path, monkeypatch):
+    """Each candidate is timed 3 times, the candidates taking turns, and the pick is the highest
+    median: one lucky timing (a quiet moment of a busy machine) no longer decides it."""
+    path = make_dataset(tmp_path, 2, 1)
+    # The rates the loader gets, call after call: 2 workers' first turn is a lucky spike.
+    script = iter([1000.0, 1100.0, 2500.0, 1010.0, 1110.0, 900.0, 990.0, 1090.0, 950.0])
+    monkeypatch.setattr(autotune, "time_loader", lambda *a, **k: autotune.LoaderTiming(next(script), 4, 1, 1))
+    rates = measure_plain_workers(path, 4, [0, 1, 2])
+    # Turns in rotation (0, 1, 2, 0, 1, 2, ...): a busy spell falls on every candidate, not on one.
+    assert rates == {0: [1000.0, 1010.0, 990.0], 1: [1100.0, 1110.0, 1090.0], 2: [2500.0, 900.0, 950.0]}
+    assert pick_workers(rates) == (1, None)  # the best single timing (2 workers' spike) would pick 2
+    # Overlapping repeats are said to be within the noise, with the runner-up named.
+    assert pick_workers({0: [1000.0, 1100.0, 1050.0], 1: [1080.0, 1120.0, 900.0], 2: [500.0]}) == (1, 0)
+    with pytest.raises(ValueError, match="at least one repeat per candidate"):
+        pick_workers({0: []})
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        measure_plain_workers(path, 4, [0], repeats=0)
+
+
+def test_worker_measurement_times_real_loaders(tmp_path):
+    path = make_dataset(tmp_path, 2, 1)
+    rates = measure_plain_workers(path, 4, [0, 1], repeats=2)
+    assert sorted(rates) == [0, 1] and all(len(v) == 2 and min(v) > 0 for v in rates.values())
+
+
+def test_report_gives_medians_ranges_noise_and_load():
+    result = {
+        "epochs": 2,
+        "cores": 2,
+        "loadavg_before": [3.5, 2.0, 1.0],
+        "loadavg_after": [1.25, 1.5, 1.0],
+        "plain": _run(1.0, 3.0, data_wait_frac_last_epoch=0.05, measure_s=6.0,
+                      workers_measured={"0": 1000.0, "1": 1100.0, "2": 700.0},
+                      workers_repeats={"0": [900.0, 1000.0, 1200.0], "1": [1050.0, 1100.0, 1150.0],
+                                       "2": [600.0, 700.0, 800.0]}),
+        "fastdata": _run(0.5, 4.0, data_wait_frac_last_epoch=0.02, cache_build_s=2.5),
+        "fastdata_cached": _run(0.5, 1.5, data_wait_frac_last_epoch=0.02),
+    }
+    table = format_table(result)
+    assert ("median (range) of 3 turns taken in rotation: 0: 1,000 (900-1,200) / 1: 1,100 (1,050-1,150) / "
+            "2: 700 (600-800); measured in 6.0 s") in table
+    assert "1 and 0 workers are within the noise (their repeats overlap)" in table
+    assert "load average (1/5/15 min): 3.50 2.00 1.00 before the demo, 1.25 1.50 1.00 after; busy" in table
+    # The wait row is the last epoch's (as the epoch time), not the all-epochs figure.
+    wait = next(line for line in table.splitlines() if line.startswith("step time waiting for data"))
+    assert wait.split() == ["step", "time", "waiting", "for", "data", "(last", "epoch)", "5.0%", "2.0%"]
+    # Repeats apart: no noise line; a quiet machine: no "busy".
+    result["plain"]["workers_repeats"]["0"] = [900.0, 1000.0, 1040.0]
+    table = format_table({**result, "loadavg_before": [0.5, 0.5, 0.5]})
+    assert "within the noise" not in table and "busy" not in table
+
+
+def test_wait_is_the_last_epochs(tmp_path, monkeypatch):
+    """The wait figure shown next to the last epoch's time is that epoch's, not both epochs'."""
+    profilers = []
+
+    class Spy(demo_module.DataWaitProfiler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            profilers.append(self)
+
+    monkeypatch.setattr(demo_module, "DataWaitProfiler", Spy)
+    demo_module._quiet()
+    out = run_plain(make_dataset(tmp_path, 2, 1), 2, 8, 0, tmp_path, 0)
+    rep = profilers[0].report()
+    epochs = rep["stages"]["train"]["epochs"]
+    assert len(epochs) == 2
+    assert out["data_wait_frac_last_epoch"] == epochs[-1]["data_wait_frac"]
+    assert out["data_wait_frac"] == rep["data_wait_frac"]  # over every epoch, as earlier results had it
 
 
 @pytest.mark.slow
@@ -173,13 +250,21 @@ def test_quick_demo_end_to_end(tmp_path):
         assert r["val_acc"] > 2.5 * chance, (run, r)
         assert r["samples"] == 2 * train_n
         assert r["epoch_time_s"] > 0 and r["samples_per_s"] > 0 and r["whole_fit_s"] > 0
-        assert 0.0 <= r["data_wait_frac"] < 1.0
-    # The plain run trains at the fastest of the measured worker counts, and says which.
+        assert 0.0 <= r["data_wait_frac"] < 1.0 and 0.0 <= r["data_wait_frac_last_epoch"] < 1.0
+    assert "step time waiting for data (last epoch)" in proc.stdout
+    # The plain run trains at the best median of the measured worker counts (3 turns each), and says which.
     plain = result["plain"]
     candidates = worker_candidates(cpu_count())
-    assert sorted(int(k) for k in plain["workers_measured"]) == candidates
-    best = max(plain["workers_measured"], key=plain["workers_measured"].get)
+    repeats = {int(k): v for k, v in plain["workers_repeats"].items()}
+    assert sorted(repeats) == candidates and all(len(v) == 3 for v in repeats.values())
+    assert plain["workers_measured"] == {str(k): float(np.median(v)) for k, v in repeats.items()}
+    best = str(pick_workers(repeats)[0])
+    assert best == max(plain["workers_measured"], key=plain["workers_measured"].get)
     assert plain["num_workers"] == int(best) and plain["measure_s"] > 0
+    assert "median (range) of 3 turns taken in rotation" in proc.stdout
+    if hasattr(os, "getloadavg"):
+        assert len(result["loadavg_before"]) == len(result["loadavg_after"]) == 3
+        assert "load average (1/5/15 min): " in proc.stdout
     assert f"best of {'/'.join(map(str, candidates))} workers: {best}" in plain["name"] in proc.stdout
     # The first fastdata run builds its cache inside its timed fit; the second reuses it.
     fast, cached = result["fastdata"], result["fastdata_cached"]

@@ -209,6 +209,24 @@ def test_trainer_resume_mid_chunk_is_exact(tmp_path):
         assert torch.equal(y0, y1) and torch.equal(x0, x1)
 
 
+@pytest.mark.parametrize("rechunk", [False, True], ids=["setup-in-inference-mode", "eval-batch-size-changed"])
+def test_validate_and_predict_under_inference_mode(tmp_path, rechunk):
+    """Buffers made under inference mode (an eval script's ``with torch.inference_mode():``, or
+    the chunks remade inside Lightning's evaluation loop for a new eval batch size) were inference
+    tensors: the fill thread's writes failed with "Inplace update to inference tensor outside
+    InferenceMode is not allowed" (found by review 88)."""
+    from _helpers import TinyDataModule, TinyModel, trainer
+
+    dm = TinyDataModule(n=40, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu", strategy="chunked")
+    if rechunk:
+        dm.setup("validate")
+        dm.eval_batch_size = 3  # not a divisor of the chunk's rows: remade in the validation loop
+    with torch.inference_mode():
+        (res,) = trainer(tmp_path).validate(TinyModel(), dm, verbose=False)
+    assert dm.plan.strategy == "chunked" and res["val_loss"] > 0
+    dm.teardown("validate")
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_chunks_filled_by_several_threads_hold_the_same_rows(threads):
     store = make_store(101)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import TinyDataModule, child_result
+from _shared_job import is_segment, shm_mappings
 
 from lightning_fastdata import shared
 from lightning_fastdata.loaders import ShardedOrder, WorkerLoader
@@ -47,7 +48,7 @@ def _mapped_segments(pid: int | str = "self") -> set[str]:
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and Path(parts[5].strip()).name.startswith(shared.prefix()):
+            if len(parts) == 6 and is_segment(parts[5]):
                 out.add(parts[5].strip())
     return out
 
@@ -60,7 +61,8 @@ def test_share_copies_bit_equal_unlinks_names_and_leaves_the_store_alone():
     seg = segs["train"]
     assert seg.name.startswith(shared.prefix()) and str(os.getpid()) in seg.name
     assert _shm_names() == set()  # unlinked at once: the only local rank has attached
-    assert any(p.startswith(str(seg.path)) and p.endswith("(deleted)") for p in _mapped_segments())
+    assert all(p.endswith("(deleted)") for p in _mapped_segments())
+    assert os.fstat(seg.fd).st_ino in {inode for inode, _ in shm_mappings()}
     arrays = seg.arrays()
     assert all(isinstance(a, SharedArray) and not a.flags.writeable and _backed_by_mmap(a) for a in arrays)
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before, strict=True))
@@ -225,7 +227,7 @@ def _held_deleted_segments() -> list[str]:
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/self/fd/{fd}")
-            if Path(target).name.startswith(shared.prefix()) and target.endswith(" (deleted)"):
+            if is_segment(target) and target.endswith(" (deleted)"):
                 out.append(target)
     return out
 
@@ -293,23 +295,60 @@ def test_a_spawned_process_maps_each_split_onto_its_own_segment():
     assert got == [([1, 1, 1, 1], (64, 16)), ([2, 2, 2, 2], (8, 16))]
 
 
-def test_leader_killed_between_create_and_unlink():
-    """SIGTERM in the window unlinks and exits with the signal; SIGKILL leaves a name the next start sweeps."""
-    children = {sig: subprocess.Popen([sys.executable, str(HERE / "_shared_job.py"), "stall-in-fill"],
-                                      stdout=subprocess.PIPE, text=True)
-                for sig in (signal.SIGTERM, signal.SIGKILL)}
+def _stalled_leaders(mode: str) -> dict[int, subprocess.Popen]:
+    """A leader per signal, each stopped at the point of ``_shared_job.py`` ``mode``."""
+    return {sig: subprocess.Popen([sys.executable, str(HERE / "_shared_job.py"), mode],
+                                  stdout=subprocess.PIPE, text=True)
+            for sig in (signal.SIGTERM, signal.SIGKILL)}
+
+
+def _reap(children: dict[int, subprocess.Popen]) -> None:
+    for child in children.values():
+        child.kill()
+        child.wait(timeout=30)
+        child.stdout.close()
+
+
+def _open_segments(pid: int) -> list[int]:
+    """Sizes of the segments ``pid`` holds open, named or not."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if is_segment(os.readlink(f"/proc/{pid}/fd/{fd}")):
+                out.append(os.stat(f"/proc/{pid}/fd/{fd}").st_size)
+    return out
+
+
+def test_a_leader_killed_while_copying_the_store_leaves_nothing_in_dev_shm():
+    """The segment has no name until it is filled: a SIGKILL (an OOM kill, say) while the leader
+    copied left a full-size segment in /dev/shm (RAM) that only the next shared-memory run on
+    the node removed (found by a review helper)."""
+    children = _stalled_leaders("stall-in-fill")
     try:
         for child in children.values():
             assert child.stdout.readline().strip() == "filling"
+            assert _open_segments(child.pid) == [4096 + 16 * 1024]  # reserved, being written...
+        assert _shm_names() == set()  # ...and nameless
+        for sig, child in children.items():
+            child.send_signal(sig)
+            assert child.wait(timeout=30) == -sig
+    finally:
+        _reap(children)
+    assert _shm_names() == set()
+
+
+def test_leader_killed_between_naming_and_unlinking():
+    """SIGTERM in the window unlinks and exits with the signal; SIGKILL leaves a name the next start sweeps."""
+    children = _stalled_leaders("stall-named")
+    try:
+        for child in children.values():
+            assert child.stdout.readline().strip() == "named"
         assert len(_shm_names()) == 2
         for sig, child in children.items():
             child.send_signal(sig)
             assert child.wait(timeout=30) == -sig
     finally:
-        for child in children.values():
-            child.kill()
-            child.wait(timeout=30)
-            child.stdout.close()
+        _reap(children)
     (left,) = _shm_names()  # SIGTERM's segment is gone; SIGKILL's stays until the next start
     assert str(children[signal.SIGKILL].pid) in left
     store = _store(4)
@@ -429,6 +468,26 @@ def test_datamodule_too_small_auto_falls_back_on_raises(cache_dir, monkeypatch):
     with warnings.catch_warnings(), pytest.raises(SharedMemoryError, match="--shm-size"):
         dm2.setup("fit")
     assert _shm_names() == set()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_teardown_frees_the_segment_without_waiting_for_the_garbage_collector(cache_dir, num_workers):
+    """The segment and its handle for spawned workers pointed at each other: teardown closed the
+    descriptor, but the mapping (the whole store in /dev/shm) stayed until a cyclic collection
+    ran, or forever in a process that disables it (found by a review helper)."""
+    dm = _dm(cache_dir, shared_memory="on", num_workers=num_workers)
+    gc.collect()
+    gc.disable()  # only reference counting frees memory from here on
+    try:
+        before_maps, before_fds = _mapped_segments(), set(_held_deleted_segments())
+        dm.setup("fit")
+        assert dm.placement.segments and _mapped_segments() - before_maps
+        assert sum(len(b[1]) for b in dm.train_dataloader()) == 48
+        dm.teardown("fit")
+        assert _mapped_segments() - before_maps == set()
+        assert set(_held_deleted_segments()) - before_fds == set()
+    finally:
+        gc.enable()
 
 
 def test_many_fields_one_segment_and_a_constant_number_of_fds():
