@@ -273,7 +273,7 @@ class OptimizedDataModule(L.LightningDataModule):
             raise ValueError(f"ragged={ragged!r} and encode={encode!r} describe how fields are stored; they need "
                              "store=True")
         self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
+        self._eval_batch_size = eval_batch_size  # None: follows batch_size (see the property)
         self.strategy = strategy
         self.vram_fraction = float(vram_fraction)
         self.cache_dir = os.path.expanduser(os.fspath(cache_dir or default_cache_dir()))  # YAML configs write ~
@@ -323,17 +323,48 @@ class OptimizedDataModule(L.LightningDataModule):
         self._restored_plan: dict[str, Any] | None = None
         # dm.hparams shows the whole configuration (the subclass's arguments included);
         # augmentations by their repr, so checkpoints and loggers get text, not objects.
-        self.save_hyperparameters(ignore=["train_augment", "eval_augment"], logger=False)
-        self.hparams["train_augment"] = repr(train_augment) if train_augment is not None else None
-        self.hparams["eval_augment"] = repr(eval_augment) if eval_augment is not None else None
+        self.save_hyperparameters(logger=False)
+        for key, augment in (("train_augment", train_augment), ("eval_augment", eval_augment)):
+            # LightningCLI saves its config: a {"class_path": ...} dict its instantiator rebuilds
+            # on load_from_checkpoint, kept; an object is kept as its repr (see ``hparams``).
+            if not isinstance(self.hparams.get(key), dict):
+                self.hparams[key] = repr(augment) if augment is not None else None
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Batch size of val/test/predict: the one given, else ``batch_size``, followed when that
+        changes (Lightning's ``Tuner.scale_batch_size(method="validate")`` sets ``batch_size``)."""
+        return self._eval_batch_size or self.batch_size
+
+    @eval_batch_size.setter
+    def eval_batch_size(self, value: int | None) -> None:
+        self._eval_batch_size = value
+
+    @property
+    def hparams(self) -> Any:
+        """Lightning's ``hparams``, the augmentations as their repr: a subclass's own
+        ``save_hyperparameters()`` puts the objects back, and a checkpoint holding them cannot
+        be loaded (torch's ``weights_only`` refuses the class), neither to resume nor by
+        ``load_from_checkpoint``. An ``eval_batch_size`` left to follow ``batch_size`` reads as
+        its value (the batch-size tuner reads it from here, and asserts on None)."""
+        hparams = _augments_as_text(super().hparams)
+        if "eval_batch_size" in hparams and getattr(self, "_eval_batch_size", 0) is None:
+            hparams["eval_batch_size"] = self.batch_size
+        return hparams
+
+    @property
+    def hparams_initial(self) -> Any:
+        """Lightning's ``hparams_initial`` (what loggers record), the augmentations as their repr."""
+        return _augments_as_text(super().hparams_initial)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``LightningDataModule.load_from_checkpoint``.
 
-        A checkpoint keeps ``train_augment`` and ``eval_augment`` as text (their repr, for
-        loggers), which cannot be rebuilt: pass them again, e.g.
-        ``MyData.load_from_checkpoint(path, train_augment=..., eval_augment=None)``.
+        A checkpoint of a data module made in Python keeps ``train_augment`` and
+        ``eval_augment`` as text (their repr, for loggers), which cannot be rebuilt: pass them
+        again, e.g. ``MyData.load_from_checkpoint(path, train_augment=..., eval_augment=None)``.
+        One LightningCLI made keeps their config, which Lightning's instantiator rebuilds.
         """
         try:
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
@@ -760,10 +791,11 @@ class OptimizedDataModule(L.LightningDataModule):
             order: ShardedOrder = BlockOrder(n, self._batch_size(split), rows=source.rows, **kw)
         else:
             order = ShardedOrder(n, self._batch_size(split), **kw)
-        trainer = self.trainer
-        # Outside a fit the epoch stays 0: a test or prediction with a random eval_augment is the
-        # same whether or not this Trainer fitted (and for how many epochs) before.
-        order.held = not train and not (trainer is not None and trainer.state.fn == "fit")
+        # An evaluation's epoch stays 0 (Lightning sets the fit's epoch on its loaders): a random
+        # eval_augment gives each fit epoch's validation the same samples, so its metric moves
+        # with the model only, and trainer.validate after the fit reproduces it; a test or a
+        # prediction is the same whether or not this Trainer fitted before.
+        order.held = not train
         if source is not None and not isinstance(source, HostSource):
             store = self.stores[split]
             augment = self.train_augment if train else self.eval_augment
@@ -1353,6 +1385,14 @@ def _position_of(loader: Any) -> tuple[int, int, int]:
     """A training loader's ``(epoch, batches used, batches)``, as its checkpoint state says."""
     state = loader.state_dict()
     return int(state["epoch"]), int(state["batch"]), int(state["batches"])
+
+
+def _augments_as_text(hparams: Any) -> Any:
+    """``hparams`` with augmentation objects replaced by their repr, in place."""
+    for key in ("train_augment", "eval_augment"):
+        if isinstance(hparams.get(key), BatchTransform):
+            hparams[key] = repr(hparams[key])
+    return hparams
 
 
 def _close(loader: Any) -> None:

@@ -15,7 +15,7 @@ import io
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,11 +191,15 @@ def no_room(name: str, root: Path, free: int, n: int, infos: Sequence[FieldInfo]
     row = sum(i.row_nbytes for i in infos)
     per = "on average, estimated from the probe samples" if any(i.ragged for i in infos) else ""
     if written is not None:
-        why = (" (the other samples are larger than the probe samples, from which it was estimated)" if per
-               else "")
+        estimate = estimate_nbytes(n, infos)
+        if written > estimate:
+            why = (" (the other samples are larger than the probe samples, from which it was estimated)" if per
+                   else "")
+        else:  # within the estimate, and it fitted at the start: something else took the space meanwhile
+            why = " (the free space fell during the build: another process wrote to that filesystem)"
         return StoreError(
             f"the disk of cache_dir {root} filled up while caching '{name}', after {fmt_bytes(written)} written "
-            f"of an estimated {fmt_bytes(estimate_nbytes(n, infos))}{why}; {fmt_bytes(free)} were free at the "
+            f"of an estimated {fmt_bytes(estimate)}{why}; {fmt_bytes(free)} were free at the "
             "start. Set cache_dir to a filesystem with more room (or free space there); nothing of this build "
             "is kept"
         )
@@ -244,6 +248,21 @@ def reserve(files: Sequence[Path], name: str, root: Path, n: int, infos: Sequenc
 # temporary directory that is published by one rename, or removed on any failure.
 
 _NO_ROOM = "NoRoom"
+
+
+class _NoRoom(Exception):
+    """ENOSPC/EDQUOT from the build's own writes (not from the user's transform)."""
+
+
+@contextlib.contextmanager
+def _own_writes() -> Iterator[None]:
+    """Mark a full disk in the package's own writes as :class:`_NoRoom`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _NoRoom(str(e)) from e
+        raise
 
 
 def field_files(k: int, info: FieldInfo) -> dict[str, str]:
@@ -311,12 +330,15 @@ class _FillChunks(torch.utils.data.Dataset):
         a, b = self.chunks[c]
         parts: dict[int, Any] = {}
         try:
-            for k, info in enumerate(self.infos):
-                if info.ragged:
-                    fd = os.open(self.tmp / _part_file(k, c), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                                 | os.O_CLOEXEC, 0o600)
-                    parts[k] = os.fdopen(fd, "wb")
+            with _own_writes():
+                for k, info in enumerate(self.infos):
+                    if info.ragged:
+                        fd = os.open(self.tmp / _part_file(k, c), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                        parts[k] = os.fdopen(fd, "wb")
             for i in range(a, b):
+                # The user's code: its errors (an ENOSPC on its own scratch file too) propagate as
+                # they are, with a note naming the sample.
                 _, leaves = flatten(read_sample(self.dataset, self.transform, i), i)
                 check_like(self.infos, leaves, i)
                 self.layout.check_aligned(self.infos, leaves, i)
@@ -330,31 +352,33 @@ class _FillChunks(torch.utils.data.Dataset):
                     arrays["shapes"][i] = stored.shape
                     if decoded is not None:
                         arrays["decoded"][i] = decoded
-                    parts[k].write(memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8)))
-            for k in list(parts):
-                parts.pop(k).close()  # flushes: a full disk shows here at the latest
+                    with _own_writes():
+                        parts[k].write(memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8)))
+            with _own_writes():
+                for k in list(parts):
+                    parts.pop(k).close()  # flushes: a full disk shows here at the latest
+                for arrays in self._arrays:
+                    for arr in arrays.values():
+                        arr.flush()
         except StoreError as e:
             return f"{type(e).__name__}:{e}"
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return f"{_NO_ROOM}:{e}"
-            raise
+        except _NoRoom as e:
+            return f"{_NO_ROOM}:{e}"
         finally:
             for fh in parts.values():
                 with contextlib.suppress(OSError):
                     fh.close()
-        for arrays in self._arrays:
-            for arr in arrays.values():
-                arr.flush()
         return b - a
 
 
 def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n: int, layout: Layout,
-          workers: int, desc: str, progress: bool, no_room: Callable[[], StoreError]) -> int:
+          workers: int, desc: str, progress: bool, no_room: Callable[[], StoreError], split: str = "") -> int:
     """Fill every row; returns the number of chunks (a ragged field has one part file per chunk).
 
     Each chunk's ragged image and mask samples are checked as it completes (in order, so the
     first bad sample is named): their channels must be sample 0's (see :func:`fixed_leads`).
+    A build worker that dies (the out-of-memory killer) is a :class:`StoreError` naming
+    ``split``, the samples in flight and the fix.
     """
     from tqdm.auto import tqdm
 
@@ -380,19 +404,40 @@ def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n
                     worker_init_fn=_single_thread_worker,
                 )
                 results = iter(loader)
-            for c, done in enumerate(results):
-                if isinstance(done, str):
-                    kind, _, message = done.partition(":")
-                    if kind == _NO_ROOM:
-                        raise no_room()
-                    raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(message)
-                _check_leads(infos, leads, shapes, chunks[c], dataset)
-                bar.update(int(done))
+            c = 0
+            try:
+                for done in results:
+                    if isinstance(done, str):
+                        kind, _, message = done.partition(":")
+                        if kind == _NO_ROOM:
+                            raise no_room()
+                        raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(
+                            message)
+                    _check_leads(infos, leads, shapes, chunks[c], dataset)
+                    bar.update(int(done))
+                    c += 1
+            except RuntimeError as e:
+                # torch's words for a worker that exited (SIGKILL, a segfault): it says nothing of the build
+                if loader is None or not str(e).startswith("DataLoader worker (pid"):
+                    raise
+                # in flight: the chunks after the last one received, up to the loader's prefetch
+                last = chunks[min(len(chunks), c + workers * (loader.prefetch_factor or 2)) - 1][1] - 1
+                raise StoreError(_worker_died(split, str(e), chunks[c][0], last, n, workers)) from e
     finally:
         shapes.clear()  # no map of the temporary files outlives the build
         if loader is not None:
             shutdown_dataloader_workers(loader)
     return len(chunks)
+
+
+def _worker_died(split: str, what: str, first: int, last: int, n: int, workers: int) -> str:
+    what_cache = f"the '{split}' cache" if split else "the cache"
+    return (f"building {what_cache} failed: a build worker process died ({what}) while caching samples {first}-{last} "
+            f"of {n}. A worker killed by a signal was most often killed by the out-of-memory killer: the static "
+            f"transform's memory, times {workers} build workers, exceeded what this job may use. Build with fewer "
+            "workers: build_store(num_workers=...) sets them (0 builds in this process); a data module builds on "
+            "min(8, the CPUs this process may use) workers, so run it under fewer (taskset -c 0-1, or the job's "
+            "CPU count); or give the job more memory. Nothing of this build is kept")
 
 
 def _check_leads(infos: Sequence[FieldInfo], leads: Mapping[int, int], shapes: Mapping[int, np.ndarray],

@@ -15,6 +15,11 @@
     parent's, and the kernel drops it when the last process holding it exits, however it
     exits, so a lease is never stale and needs no pid bookkeeping. Pruning takes the
     same lock exclusively and without waiting: it fails while any reader holds a lease.
+:func:`hold` / :func:`held`
+    A build's temporary directory holds a file locked by its builder for the whole
+    build; a sweep removes the directory only when it can take that lock. The lock is
+    the kernel's, so it tells a live builder from a dead one whatever PID namespace
+    either runs in (a pid in a name cannot: containers sharing a hostname reuse pids).
 :class:`Heartbeat`
     Touches a path every :data:`HEARTBEAT_S` from a daemon thread: the build lock's owner
     file, and a build's temporary directory (whose age the sweep of other hosts judges).
@@ -257,6 +262,51 @@ def busy(file: Path) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def hold(file: Path) -> int:
+    """Create ``file`` owner-only, locked exclusively from before its name exists; returns the descriptor.
+
+    The lock lasts while the descriptor is open (and in forked children that inherit it).
+    The file is locked under a staging name and renamed into place, so no process ever
+    finds ``file`` unlocked while its holder runs. Where ``flock`` is unsupported the file
+    is still created; :func:`held` then cannot tell, and the caller falls back to other signs.
+    """
+    staged = file.with_name(file.name + ".new")
+    fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with contextlib.suppress(OSError):  # no flock here (ENOLCK, EOPNOTSUPP): see above
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(staged, file)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise
+    return fd
+
+
+def held(file: Path) -> bool | None:
+    """Whether a live process holds a lock on ``file``; ``None`` when there is no such file or
+    ``flock`` cannot tell (a filesystem without it)."""
+    try:
+        # read-write where we can: NFS emulates flock with byte-range locks, whose exclusive
+        # form needs a descriptor open for writing
+        fd = os.open(file, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
     finally:
         os.close(fd)
     return False

@@ -79,6 +79,11 @@ READERS = ".readers"
 LAST_USED = "last_used"
 #: Names of the temporary directories of builds and removals (swept once their writer is gone).
 TMP_PREFIX = ".tmp-"
+#: Inside a build's temporary directory: locked by the builder while it runs (see :func:`sweep_temporaries`).
+BUILDING = ".building"
+#: Ends the writer field of a build temporary that holds :data:`BUILDING` (an older release's
+#: sweep reads such a field as malformed and judges the directory by its age, never its pid).
+_LOCKED = "+lock"
 _LOCK_PREFIX = ".lock-"
 _CRC_BLOCK = 16 << 20
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -325,8 +330,11 @@ def read_manifest(path: Path, check_version: bool = True) -> dict:
         raise CacheInvalidError(f"{path / MANIFEST} is missing") from e
     except OSError as e:
         raise CacheInvalidError(f"cannot open {path / MANIFEST} ({e}); a symlink is refused") from e
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read()
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
+    except OSError as e:  # a directory in its place (EISDIR), an I/O error
+        raise CacheInvalidError(f"{path / MANIFEST} cannot be read ({e.strerror or e})") from e
     try:
         manifest = json.loads(raw)
     except ValueError as e:
@@ -504,14 +512,36 @@ def _writer_alive(field: str) -> bool | None:
     return recorded is None or now is None or now == recorded
 
 
+def _temporary_alive(p: Path, host: str) -> bool | None:
+    """Whether the writer of the temporary directory ``p`` may still run; ``None``: judge it by its age."""
+    parts = p.name[len(TMP_PREFIX):].split("~")
+    here = len(parts) >= 3 and parts[1] == host
+    writer = parts[2] if len(parts) >= 3 else ""
+    held = locks.held(p / BUILDING)
+    if held:  # its builder runs, in whatever PID namespace (or on a host whose flock we see)
+        return True
+    if here and held is False:  # the lock is free, and it exists only while held: the builder is gone
+        return False
+    if here and (not writer.endswith(_LOCKED) or os.path.lexists(p / BUILDING)):
+        # An older release's temporary, a removal's, or a filesystem whose flock cannot tell:
+        # the pid and its start time (wrong for a builder in another PID namespace, so only here).
+        return _writer_alive(writer.removesuffix(_LOCKED))
+    # Another host's (its flock may be local to it, as on some NFS mounts), or a build
+    # between creating its directory and locking it: its last heartbeat decides.
+    return None
+
+
 def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Path]:
     """Remove the temporary directories of builds (and removals) whose writer is gone.
 
-    One written on this host is removed as soon as its writer has exited (its pid runs
-    no more, or names a process started at another time), and never while the writer
-    runs, however long its build takes. One written on another host, whose process
-    cannot be checked, is removed when it was last modified more than ``max_age_s`` ago:
-    a builder touches its directory every few seconds
+    A build holds a ``flock`` on :data:`BUILDING` inside its directory while it runs: a
+    directory whose lock is held is never removed, whatever host or PID namespace its
+    builder runs in. Otherwise one written on this host is removed as soon as its writer
+    has exited (its lock is free; or, for one without the lock file, from an older release
+    or a removal, its pid runs no more or names a process started at another time). One
+    written on another host, whose lock may be invisible here (``flock`` on some network
+    filesystems is local to a host), is removed when it was last modified more than
+    ``max_age_s`` ago: a builder touches its directory every few seconds
     (:class:`~lightning_fastdata.locks.Heartbeat`), so that is the time since its last
     sign of life, not since its build began.
 
@@ -525,14 +555,14 @@ def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Pat
     removed = []
     host = _host()
     for p in cache_dir.glob(f"{TMP_PREFIX}*"):
-        parts = p.name[len(TMP_PREFIX):].split("~")
-        alive = _writer_alive(parts[2]) if len(parts) >= 3 and parts[1] == host else None
-        if alive is None:  # another host's, or a name we cannot read: judge by its last heartbeat
+        alive = _temporary_alive(p, host)
+        if alive is None:
             try:
                 alive = time.time() - os.lstat(p).st_mtime <= max_age_s
             except OSError:  # gone meanwhile
                 continue
         if not alive and p.is_dir() and not p.is_symlink():
+            # A removal's directory swept while its remover still deletes it: both delete, harmlessly.
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -801,6 +831,17 @@ def _manifest_field(tmp: Path, k: int, info: FieldInfo) -> dict[str, Any]:
     return entry
 
 
+@contextlib.contextmanager
+def _full_disk(name: str, root: Path, free: int, n: int, infos: list[FieldInfo], tmp: Path) -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT from this build's own writes into the full-disk :class:`StoreError`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_room(name, root, free, n, infos, written=_written(tmp)) from e
+        raise
+
+
 def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str, n: int, namespace: str,
            fp: F.Fingerprint, probe: _Probe, num_workers: int | None, progress: bool,
            parallel_threshold_s: float, layout: Layout) -> None:
@@ -808,46 +849,53 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
     infos = probe.infos
     check_space(name, root, n, infos)
     free = shutil.disk_usage(root).free  # for the message, should the disk fill up while writing
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}~{_writer_tag()}~", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}~{_writer_tag()}{_LOCKED}~", dir=root))
     # Touched while we build: another host's sweep judges the directory by its age, and
     # nothing else refreshes it once a fixed-shape store's files are created.
     beat = locks.Heartbeat(tmp)
+    guard = None
     try:
         beat.start()
-        reserve(create_fixed_files(tmp, n, infos), name, root, n, infos)
+        with _full_disk(name, root, free, n, infos, tmp):
+            # Locked for the whole build: a sweep never removes the directory of a live builder,
+            # whatever PID namespace it runs in (pids in the name would be another process's).
+            guard = locks.hold(tmp / BUILDING)
+            files = create_fixed_files(tmp, n, infos)
+        reserve(files, name, root, n, infos)
         cores = cpu_count()
         workers = num_workers if num_workers is not None else (
             min(cores, 8) if probe.per_sample_s * n > parallel_threshold_s and cores > 1 else 0
         )
+        # Not inside _full_disk: the static transform's own ENOSPC (its scratch file) is the
+        # user's error, reported as such; fill converts only its own writes.
         chunks = fill(dataset, transform, tmp, infos, n, layout, workers, f"fastdata: caching '{name}'", progress,
-                       lambda: no_room(name, root, free, n, infos, written=_written(tmp)))
-        try:
+                      lambda: no_room(name, root, free, n, infos, written=_written(tmp)), split=name)
+        with _full_disk(name, root, free, n, infos, tmp):
             for k, info in enumerate(infos):
                 if info.ragged:
                     join_ragged(tmp, k, info, chunks)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise no_room(name, root, free, n, infos, written=_written(tmp)) from e
-            raise
-        manifest = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "namespace": namespace,
-            "name": name,
-            "n": n,
-            "fingerprint": fp.digest,
-            "fingerprint_components": fp.components,
-            "spec": probe.spec,
-            "fields": [_manifest_field(tmp, k, info) for k, info in enumerate(infos)],
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        manifest["manifest_crc32"] = _manifest_crc(manifest)
-        fd = os.open(tmp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(manifest, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.close(os.open(tmp / READERS, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            manifest = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "namespace": namespace,
+                "name": name,
+                "n": n,
+                "fingerprint": fp.digest,
+                "fingerprint_components": fp.components,
+                "spec": probe.spec,
+                "fields": [_manifest_field(tmp, k, info) for k, info in enumerate(infos)],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            manifest["manifest_crc32"] = _manifest_crc(manifest)
+            fd = os.open(tmp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(manifest, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.close(os.open(tmp / READERS, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        # Not published with the cache; without it the named directory is judged by its age until
+        # the rename (still locked: we keep the descriptor).
+        os.unlink(tmp / BUILDING)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -858,5 +906,5 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
         beat.stop()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
+        if guard is not None:
+            os.close(guard)  # after the removal: no sweep races ours

@@ -71,6 +71,18 @@ def test_plan_uses_the_cache_fit_built_from_the_same_config(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_a_data_module_the_cli_built_loads_from_its_checkpoint_with_its_augmentation(tmp_path):
+    # The CLI saves the augmentation as its {"class_path": ...} config, which Lightning's
+    # instantiator rebuilds; the data module replaced it with its repr (text), and
+    # load_from_checkpoint then asked the user to rebuild the pipeline by hand.
+    cli = FastDataCLI(args=["fit", "--config", write_config(tmp_path)])
+    path = tmp_path / "x.ckpt"
+    cli.trainer.save_checkpoint(path)
+    loaded = type(cli.datamodule).load_from_checkpoint(path)
+    assert repr(loaded.train_augment) == repr(cli.datamodule.train_augment)
+    assert repr(loaded.train_augment).startswith("Compose(")
+
+
 def test_plan_prints_resources_stores_and_reasons(tmp_path, capsys):
     cfg = write_config(tmp_path)
     out = tmp_path / "plan.json"

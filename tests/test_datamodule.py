@@ -835,6 +835,80 @@ def test_hparams_show_the_configuration(tmp_path):
     assert dm.hparams["train_augment"].startswith("Compose(") and dm.hparams["eval_augment"] is None
 
 
+class _SavesItsOwn(TinyDataModule):
+    """Lightning's idiom: ``self.save_hyperparameters()`` after ``super().__init__``."""
+
+    def __init__(self, n: int = 32, **kwargs) -> None:
+        super().__init__(n=n, **kwargs)
+        self.save_hyperparameters()
+
+
+def test_a_subclass_that_saves_its_own_hyperparameters_writes_checkpoints_that_load(tmp_path):
+    # Its save_hyperparameters() put the Compose object back into hparams: the checkpoint could
+    # neither resume a fit (torch's weights_only load refused the class) nor be loaded.
+    dm = _SavesItsOwn(batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, train_augment=_aug())
+    assert dm.hparams["train_augment"].startswith("Compose(")
+    assert dm.hparams_initial["train_augment"].startswith("Compose(")  # what loggers record
+    fit = trainer(tmp_path, max_epochs=1, limit_train_batches=2)
+    fit.fit(TinyModel(), dm)
+    path = tmp_path / "x.ckpt"
+    fit.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["datamodule_hyper_parameters"]
+    assert isinstance(saved["train_augment"], str)
+    again = _SavesItsOwn(batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, train_augment=_aug())
+    trainer(tmp_path, max_epochs=2, limit_train_batches=2).fit(TinyModel(), again, ckpt_path=str(path))
+    loaded = _SavesItsOwn.load_from_checkpoint(path, train_augment=_aug())
+    assert loaded.n == 32 and repr(loaded.train_augment) == repr(_aug())
+
+
+@pytest.mark.parametrize("arg", ["batch_size", "eval_batch_size"])
+def test_the_batch_size_tuner_scales_the_validation_batches(tmp_path, arg):
+    # eval_batch_size was fixed at init to batch_size: tuning batch_size for validation changed
+    # the training batch size only (every validation batch stayed 4), and tuning
+    # eval_batch_size failed on an assertion (hparams held None) (found by review 88).
+    from lightning.pytorch.tuner import Tuner
+
+    seen: list[int] = []
+
+    class Sizes(TinyModel):
+        def validation_step(self, batch, batch_idx):
+            seen.append(len(batch[1]))
+
+    dm = TinyDataModule(n=64, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu")
+    new = Tuner(trainer(tmp_path)).scale_batch_size(Sizes(), datamodule=dm, method="validate", batch_arg_name=arg,
+                                                    max_trials=3, steps_per_trial=1)  # 2, 4, 8
+    assert new == 8 and dm.eval_batch_size == 8 and max(seen) == 8
+    assert dm.batch_size == (8 if arg == "batch_size" else 4)
+
+
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_a_random_eval_augment_is_the_same_in_every_fit_epoch_and_in_validate(tmp_path, strategy):
+    # It was keyed by the fit's epoch: with weights that never change, val_loss moved from epoch
+    # to epoch, and trainer.validate after the fit matched epoch 0 only (found by review 88).
+    class Frozen(TinyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.losses: list[float] = []
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x.float().flatten(1)), y))
+
+        def on_validation_epoch_end(self):
+            self.losses.append(float(self.trainer.callback_metrics["val_loss"]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    dm = TinyDataModule(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy,
+                        num_workers=0, eval_augment=A.Compose([A.RandomCrop(8, padding=2), A.RandomHorizontalFlip()]))
+    model = Frozen()
+    fit = trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0)
+    fit.fit(model, dm)
+    fit.validate(model, dm, verbose=False)
+    assert len(model.losses) == 4 and len(set(model.losses)) == 1, model.losses
+
+
 def test_checkpoint_carries_the_data_plan_and_a_changed_plan_warns_with_both(tmp_path):
     cache = str(tmp_path / "c")
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")

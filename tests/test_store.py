@@ -630,11 +630,11 @@ def test_a_full_disk_while_writing_ragged_values_is_the_clear_error(cache_dir, m
     kw = dict(ragged=["image", "vec", "mat"], progress=False)
     monkeypatch.setattr(S.os, "fdopen", fdopen)
     # Not the up-front message ("needs 183.5 KB ... which has 4.2 MB free"), which the full disk
-    # contradicted: the estimate from the probe samples was exceeded.
+    # contradicted; less than the estimate was written, so something else took the space.
     with pytest.raises(StoreError, match=r"the disk of cache_dir .* filled up while caching 'train', after .* written "
-                                         r"of an estimated .* \(the other samples are larger than the probe samples, "
-                                         r"from which it was estimated\); .* were free at the start\. Set cache_dir "
-                                         r"to a filesystem with more room"):
+                                         r"of an estimated .* \(the free space fell during the build: another "
+                                         r"process wrote to that filesystem\); .* were free at the start\. Set "
+                                         r"cache_dir to a filesystem with more room"):
         build_store(VaryingDataset(20), lambda s: s, cache_dir, **kw)
     _nothing_left(cache_dir)
     monkeypatch.setattr(S.os, "fdopen", real_fdopen)
@@ -714,3 +714,148 @@ def test_a_failed_parallel_build_stops_its_workers_and_a_retry_is_quiet(cache_di
     store = build_store(_FailsAt(40, None), lambda s: s, cache_dir, num_workers=2, probes=2, progress=False)
     assert len(store) == 40 and set(multiprocessing.active_children()) == before
     assert "Exception ignored" not in capfd.readouterr().err
+
+
+def test_a_full_disk_blames_the_probe_estimate_only_when_the_build_wrote_more_than_it(cache_dir, monkeypatch):
+    """Before: any full disk after a ragged field's write said "the other samples are larger than
+    the probe samples", also when another process had filled the disk (less written than estimated)."""
+    import errno
+
+    from lightning_fastdata import store as S
+
+    real_fdopen = os.fdopen
+
+    class FullAfter:  # the disk fills once 1 MB of part files is written
+        written = 0
+
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, data):
+            if FullAfter.written > 1 << 20:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            FullAfter.written += len(data)
+            return self.fh.write(data)
+
+        def close(self):
+            self.fh.close()
+
+    monkeypatch.setattr(S.os, "fdopen", lambda fd, mode="r", *a, **kw: (
+        FullAfter(real_fdopen(fd, mode, *a, **kw)) if mode == "wb" else real_fdopen(fd, mode, *a, **kw)))
+    class SmallProbes(torch.utils.data.Dataset):  # probes 0 and 39 hold 1 value, the others 20000
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return np.arange(1 if i in (0, 39) else 20000)
+
+    with pytest.raises(StoreError, match=r"filled up while caching 'train', after .* written of an estimated .* "
+                                         r"\(the other samples are larger than the probe samples"):
+        build_store(SmallProbes(), lambda s: s, cache_dir, ragged=["0"], probes=2, progress=False)
+    _nothing_left(cache_dir)
+
+
+@pytest.mark.parametrize("where", ["manifest", "npy_headers"])
+def test_a_full_disk_outside_the_fill_is_the_clear_error(cache_dir, monkeypatch, where):
+    """Before: ENOSPC flushing the manifest, or writing the .npy headers before the space is
+    reserved, was a bare ``OSError: [Errno 28]`` with no cache_dir, size or fix."""
+    import errno
+
+    import numpy.lib.format as npf
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "manifest":
+        monkeypatch.setattr(os, "fsync", full)
+    else:
+        monkeypatch.setattr(npf, "open_memmap", full)
+    with pytest.raises(StoreError, match=rf"the disk of cache_dir {cache_dir} filled up while caching 'train', after "
+                                         r".* written of an estimated .*; .* were free at the start\. Set cache_dir "
+                                         r"to a filesystem with more room"):
+        build_store(CountingDataset(20), lambda s: s, cache_dir, progress=False)
+    _nothing_left(cache_dir)
+
+
+def test_a_static_transforms_own_enospc_is_its_error_not_a_full_cache_dir(cache_dir):
+    """Before: an ENOSPC the transform met on its own scratch file was reported as "the disk of
+    cache_dir filled up", losing the file, the sample and the traceback."""
+    import errno
+
+    def transform(sample):
+        if sample[1] == 1 and int(sample[0][0, 0, 0]) == int(CountingDataset(40)[5][0][0, 0, 0]):
+            raise OSError(errno.ENOSPC, "No space left on device", "/scratch/decode_tmp/frame.png")
+        return sample
+
+    with pytest.raises(OSError) as raised:
+        build_store(CountingDataset(40), transform, cache_dir, probes=2, num_workers=0, progress=False)
+    assert type(raised.value) is OSError and raised.value.filename == "/scratch/decode_tmp/frame.png"
+    assert raised.value.__notes__ == ["lightning_fastdata: raised while caching sample 5 (the source's item 5, then "
+                                      "static_transform)"]
+    assert not list(cache_dir.rglob("field_*"))
+
+
+def _kill_own_worker_at_sample_20(sample):
+    if torch.utils.data.get_worker_info() is not None and int(sample[0][0, 0, 0]) == _SAMPLE_20:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
+    return sample
+
+
+_SAMPLE_20 = int(CountingDataset(64)[20][0][0, 0, 0])
+
+
+def test_a_build_worker_killed_by_a_signal_names_the_split_the_samples_and_the_fix(cache_dir):
+    """Before: only torch's "DataLoader worker (pid(s) N) exited unexpectedly", no split, samples or fix."""
+    with pytest.raises(StoreError) as raised:
+        build_store(CountingDataset(64), _kill_own_worker_at_sample_20, cache_dir, num_workers=2, probes=2,
+                    progress=False)
+    msg = str(raised.value)
+    assert msg.startswith("building the 'train' cache failed: a build worker process died (DataLoader worker (pid")
+    first, last = map(int, msg.split("while caching samples ")[1].split(" of 64")[0].split("-"))
+    assert first <= 20 <= last
+    assert "out-of-memory killer" in msg and "build_store(num_workers=...)" in msg and "0 builds in this" in msg
+    assert not list(cache_dir.rglob("field_*")) and not list(cache_dir.rglob(".tmp-*"))
+
+
+def test_a_manifest_that_is_a_directory_is_an_invalid_cache_and_rebuilt(cache_dir):
+    """Before: ``IsADirectoryError: [Errno 21] Is a directory: 5``, no path, no rebuild."""
+    from lightning_fastdata.store import CacheInvalidError
+
+    built = build_store(CountingDataset(10), lambda s: s, cache_dir, progress=False)
+    (built.path / "manifest.json").unlink()
+    (built.path / "manifest.json").mkdir()
+    with pytest.raises(CacheInvalidError, match=rf"{built.path / 'manifest.json'} cannot be read"):
+        open_store(built.path)
+    with pytest.warns(UserWarning, match=r"rebuilding the 'train' cache: .*manifest\.json cannot be read"):
+        again = build_store(CountingDataset(10), lambda s: s, cache_dir, progress=False)
+    assert again.path == built.path and len(open_store(again.path, verify=True)) == 10
+
+
+def test_a_live_builder_in_another_pid_namespace_keeps_its_temporary(cache_dir, monkeypatch):
+    """Before: a build in another PID namespace on this host (a container with the same hostname),
+    whose pid here names another process (another start time), had its live temporary removed by
+    the sweep of another build, and died with FileNotFoundError."""
+    from lightning_fastdata import store as S
+    from lightning_fastdata.caches import prune_caches
+
+    proc = _builder(cache_dir, n=200, delay=0.02)
+    try:
+        tmp = _wait_for_temporary(cache_dir)
+        real = S._started
+        # as seen from another PID namespace: the builder's pid is some other process here
+        monkeypatch.setattr(S, "_started", lambda pid: real(pid) + 1 if pid == proc.pid else real(pid))
+        val = build_store(CountingDataset(5), lambda s: s, cache_dir, name="val", progress=False)  # sweeps
+        prune_caches(cache_dir)  # sweeps too
+        assert tmp.exists()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    fp, calls = out.split()
+    assert int(calls) == 200 + 2 * 8
+    assert len(open_store(cache_dir / f"train-{fp[:16]}", verify=True)) == 200 and len(val) == 5
+    assert not list(cache_dir.glob(".tmp-*"))
