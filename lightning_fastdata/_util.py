@@ -44,7 +44,7 @@ def _first_len(node: Any) -> tuple[int, bool] | None:
         return (len(node), True) if hasattr(node, "__len__") else None  # e.g. a FastBatch: its samples
     if isinstance(node, dict):
         children: Any = node.values()
-    elif node and isinstance(node[0], (str, bytes, bytearray, int, float)):
+    elif node and all(isinstance(v, (str, bytes, bytearray, int, float)) for v in node):
         return len(node), False  # a list of plain values, one per sample (collated file names)
     else:
         children = node

@@ -66,14 +66,22 @@ def _cache_dirs(root: Path) -> list[tuple[str, Path]]:
 
 
 def _namespace_dirs(root: Path) -> list[Path]:
-    """``root`` and every directory in it that is not a cache (a namespace), symlinks left out."""
+    """``root`` and the namespaces in it: the directories holding a cache or a build lock (a
+    killed first build leaves its lock beside its temporary). Any other directory (a user's
+    own, kept in the cache dir) is not ours to sweep."""
     out = [root]
     with contextlib.suppress(OSError):
         for p in sorted(root.iterdir()):
-            if (not p.name.startswith(".") and not p.is_symlink() and p.is_dir()
-                    and not (S.CACHE_NAME.fullmatch(p.name) and (p / S.MANIFEST).exists())):
-                out.append(p)
+            if p.name.startswith(".") or p.is_symlink() or not p.is_dir() or _is_cache(p):
+                continue
+            with contextlib.suppress(OSError):
+                if any(q.name.startswith(S.LOCK_PREFIX) or _is_cache(q) for q in p.iterdir()):
+                    out.append(p)
     return out
+
+
+def _is_cache(p: Path) -> bool:
+    return bool(S.CACHE_NAME.fullmatch(p.name)) and (p / S.MANIFEST).exists()
 
 
 def build_temporaries(cache_dir: str | os.PathLike) -> list[tuple[Path, int]]:
@@ -83,7 +91,7 @@ def build_temporaries(cache_dir: str | os.PathLike) -> list[tuple[Path, int]]:
     if not root.is_dir() or root.is_symlink():
         return []
     return [(p, _dir_bytes(p)) for d in _namespace_dirs(root) for p in sorted(d.glob(f"{S.TMP_PREFIX}*"))
-            if p.is_dir() and not p.is_symlink()]
+            if S.is_build_temporary(p.name) and p.is_dir() and not p.is_symlink()]
 
 
 def list_caches(cache_dir: str | os.PathLike) -> list[CacheInfo]:

@@ -50,6 +50,7 @@ from lightning_fastdata._util import atomic_write_text, fmt_bytes
 from lightning_fastdata.autotune import shutdown_workers, time_loader
 from lightning_fastdata.caches import CacheInfo, build_temporaries, list_caches, prune_caches
 from lightning_fastdata.datamodule import OptimizedDataModule, default_cache_dir
+from lightning_fastdata.loaders import ResumeError
 from lightning_fastdata.plan import Plan, PlanError, Resources, decide, ram_text
 from lightning_fastdata.structure import StoreError
 
@@ -734,9 +735,10 @@ def main(args: list[str] | None = None) -> None:
     elif argv[0] in _LIGHTNING or argv[0].startswith("-"):
         try:
             FastDataCLI(args=argv)
-        except StoreError as e:
-            # Raised by prepare_data inside Trainer.fit, past the parser: its message names the
-            # cache_dir or the sample and the fix, which a traceback would bury.
+        except (StoreError, PlanError, ResumeError) as e:
+            # Raised inside Trainer.fit, past the parser (prepare_data's cache, setup's plan, a
+            # checkpoint's loader position): the message names the culprit and the fix, which a
+            # traceback would bury; plan and bench give the same one-line error.
             print(f"fastdata {argv[0]}: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
     else:

@@ -16,6 +16,7 @@ import os
 import random
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,11 +56,18 @@ from lightning_fastdata.placement import (
     Sharing,
     place,
 )
-from lightning_fastdata.plan import STRATEGIES, Plan, decide, probe_resources
+from lightning_fastdata.plan import STRATEGIES, Plan, PlanError, decide, probe_resources
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch
 from lightning_fastdata.seeding import WorkerSeeding
 from lightning_fastdata.store import Store, build_store
-from lightning_fastdata.structure import StoreError, UnstorableSampleError, unflatten
+from lightning_fastdata.structure import (
+    StoreError,
+    UnstorableSampleError,
+    fixed_leads,
+    lead_error,
+    sample_name,
+    unflatten,
+)
 
 Split = Literal["train", "val", "test", "predict"]
 SPLITS = ("train", "val", "test", "predict")
@@ -495,6 +503,7 @@ class OptimizedDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Cache every split's static outputs (Lightning runs this once per node)."""
+        self._refuse_absent_cuda()
         for split, src in self._sources(SPLITS).items():
             self._store_for(split, src)
 
@@ -521,7 +530,38 @@ class OptimizedDataModule(L.LightningDataModule):
                 self._raw[split] = src
             else:
                 self.stores[split] = store
+                try:
+                    self._check_ragged_channels(split, store, src)
+                except StoreError:
+                    self.stores.pop(split).close()
+                    raise
         return self.stores
+
+    def _refuse_absent_cuda(self) -> None:
+        """``device="cuda"`` where there is none: said before any cache is built (the plan's
+        probe of the device failed with torch's "Found no NVIDIA driver" after every build)."""
+        if self.device is not None and torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise PlanError(f"device={self.device!r} asks for CUDA, but CUDA is not available on this machine "
+                            "(torch.cuda.is_available() is False); set device='cpu', or leave it None for the "
+                            "Trainer's device")
+
+    def _check_ragged_channels(self, split: str, store: Store, src: Any) -> None:
+        """Refuse a ragged image or mask field (by this module's kinds) whose samples differ in
+        their channels, when the split's augmentation will batch them: it failed at the first
+        batch that mixed them, naming a position in the batch. Without an augmentation the
+        samples come as a list, as they are (a sequence, a clip, an image kept HWC)."""
+        augment = self.train_augment if split == "train" else self.eval_augment
+        if augment is None:
+            return
+        kinds = self.kinds(split, [i.name for i in store.infos])
+        infos = [replace(i, kind=kinds[i.name]) for i in store.infos]
+        for k, lead in fixed_leads(infos).items():
+            field = store.fields[k]
+            shapes = np.asarray(field.decoded if field.encoding else field.shapes)
+            bad = np.flatnonzero((shapes[:, :lead] != shapes[0, :lead]).any(axis=1))
+            if bad.size:
+                i = int(bad[0])
+                raise lead_error(infos[k], lead, sample_name(src, i), shapes[i], sample_name(src, 0), shapes[0])
 
     @property
     def raw_sources(self) -> dict[str, Any]:
@@ -645,6 +685,7 @@ class OptimizedDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Open the caches of the stage's splits, make the plan, and place the stores."""
         splits = SPLITS if stage is None else _STAGE_SPLITS.get(stage, SPLITS)
+        self._refuse_absent_cuda()
         self.open_splits(splits)
         self._set_up.update(splits)
         self._check_field_kinds()

@@ -32,9 +32,7 @@ from lightning_fastdata.structure import (
     UnstorableSampleError,
     check_like,
     container_paths,
-    fixed_leads,
     flatten,
-    lead_error,
     ragged_info,
     read_sample,
     sample_name,
@@ -375,8 +373,6 @@ def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n
           workers: int, desc: str, progress: bool, no_room: Callable[[], StoreError], split: str = "") -> int:
     """Fill every row; returns the number of chunks (a ragged field has one part file per chunk).
 
-    Each chunk's ragged image and mask samples are checked as it completes (in order, so the
-    first bad sample is named): their channels must be sample 0's (see :func:`fixed_leads`).
     A build worker that dies (the out-of-memory killer) is a :class:`StoreError` naming
     ``split``, the samples in flight and the fix.
     """
@@ -385,11 +381,6 @@ def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n
     chunk = max(1, min(256, math.ceil(n / max(1, workers * 8))))
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     filler = _FillChunks(dataset, transform, tmp, infos, chunks, layout)
-    leads = fixed_leads(infos)
-    # The shapes the chunks record (decoded ones for JPEG), read back here: one vectorised
-    # comparison per chunk, and row 0 is always there first (chunks complete in order).
-    shapes = {k: np.load(tmp / field_files(k, infos[k])["decoded" if infos[k].encoding else "shapes"],
-                         mmap_mode="r", allow_pickle=False) for k in leads}
     loader = None
     try:
         with tqdm(total=n, desc=desc, unit="sample", disable=not progress, leave=False) as bar:
@@ -413,7 +404,6 @@ def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n
                             raise no_room()
                         raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(
                             message)
-                    _check_leads(infos, leads, shapes, chunks[c], dataset)
                     bar.update(int(done))
                     c += 1
             except RuntimeError as e:
@@ -424,7 +414,6 @@ def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n
                 last = chunks[min(len(chunks), c + workers * (loader.prefetch_factor or 2)) - 1][1] - 1
                 raise StoreError(_worker_died(split, str(e), chunks[c][0], last, n, workers)) from e
     finally:
-        shapes.clear()  # no map of the temporary files outlives the build
         if loader is not None:
             shutdown_dataloader_workers(loader)
     return len(chunks)
@@ -438,19 +427,6 @@ def _worker_died(split: str, what: str, first: int, last: int, n: int, workers: 
             "workers: build_store(num_workers=...) sets them (0 builds in this process); a data module builds on "
             "min(8, the CPUs this process may use) workers, so run it under fewer (taskset -c 0-1, or the job's "
             "CPU count); or give the job more memory. Nothing of this build is kept")
-
-
-def _check_leads(infos: Sequence[FieldInfo], leads: Mapping[int, int], shapes: Mapping[int, np.ndarray],
-                 rows: tuple[int, int], dataset: Any) -> None:
-    """Refuse the first sample in ``rows`` of a ragged image or mask field whose channels differ from sample 0's."""
-    a, b = rows
-    for k, lead in leads.items():
-        got = np.array(shapes[k][a:b])  # a copy: the error's traceback keeps no map of the file
-        bad = np.flatnonzero((got[:, :lead] != shapes[k][0, :lead]).any(axis=1))
-        if bad.size:
-            i = a + int(bad[0])
-            raise lead_error(infos[k], lead, sample_name(dataset, i), got[bad[0]], sample_name(dataset, 0),
-                             shapes[k][0])
 
 
 def _copy_into(dst: int, src: Path) -> None:

@@ -307,6 +307,11 @@ def flatten_batch(batch: Any) -> tuple[dict, list[str], list[Any]]:
     return spec, names, leaves
 
 
+class ResumeError(ValueError):
+    """A checkpoint's loader position that this loader cannot go on from (another batch size,
+    world size, shuffle or chunking in the middle of an epoch)."""
+
+
 class _Loader:
     """Shared machinery: order, epoch, resumable position.
 
@@ -506,11 +511,13 @@ class _Loader:
         for key, value in mine.items():
             if not done and key in state and state[key] != value:
                 why = ("; in block mode the sample order follows the chunk size, which the plan takes from this "
-                       "machine's free host memory: resume where as much memory is free, or restart the epoch "
-                       "(load the checkpoint's weights without its loop state)") if key == "chunk_rows" else ""
-                raise ValueError(
+                       "machine's free host memory: resume where as much memory is free") if key == "chunk_rows" else ""
+                raise ResumeError(
                     f"cannot resume this loader: checkpoint has {key}={state[key]!r}, the loader has "
-                    f"{key}={value!r}; resume with the configuration the checkpoint was made with{why}"
+                    f"{key}={value!r}; resume with the configuration the checkpoint was made with{why}, resume from "
+                    "a checkpoint saved at an epoch's end (any configuration goes on from there), or restart the "
+                    "epoch with the new one: load only the checkpoint's weights (the model's load_from_checkpoint), "
+                    "not its loop state"
                 )
         self.order.set_epoch(int(state["epoch"]))
         self._resume = (int(state["epoch"]), int(state["batch"]))

@@ -84,7 +84,8 @@ BUILDING = ".building"
 #: Ends the writer field of a build temporary that holds :data:`BUILDING` (an older release's
 #: sweep reads such a field as malformed and judges the directory by its age, never its pid).
 _LOCKED = "+lock"
-_LOCK_PREFIX = ".lock-"
+#: Names of the build locks beside the caches of a namespace (left by a killed build too).
+LOCK_PREFIX = ".lock-"
 _CRC_BLOCK = 16 << 20
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 #: A cache directory's name: ``<split>-<fingerprint[:16]>``.
@@ -531,6 +532,14 @@ def _temporary_alive(p: Path, host: str) -> bool | None:
     return None
 
 
+_OURS = re.compile(r"[A-Za-z0-9_.-]+~[^~/]+~\d+(\.\d+)?(\+lock)?~.+")
+
+
+def is_build_temporary(name: str) -> bool:
+    """Whether ``name`` is a build's or a removal's temporary: ``.tmp-<split|trash>~<host>~<pid[.start]>~...``."""
+    return name.startswith(TMP_PREFIX) and bool(_OURS.fullmatch(name[len(TMP_PREFIX):]))
+
+
 def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Path]:
     """Remove the temporary directories of builds (and removals) whose writer is gone.
 
@@ -555,6 +564,8 @@ def sweep_temporaries(cache_dir: Path, max_age_s: float = 24 * 3600) -> list[Pat
     removed = []
     host = _host()
     for p in cache_dir.glob(f"{TMP_PREFIX}*"):
+        if not is_build_temporary(p.name):
+            continue  # a directory of someone else's that happens to start so: never removed
         alive = _temporary_alive(p, host)
         if alive is None:
             try:
@@ -598,7 +609,7 @@ def store_dir(cache_dir: str | os.PathLike, name: str, fp: str, namespace: str =
 
 def lock_path(cache: Path) -> Path:
     """The build lock of the cache directory ``cache`` (beside it, so pruning the cache keeps the lock)."""
-    return cache.with_name(f"{_LOCK_PREFIX}{cache.name}")
+    return cache.with_name(f"{LOCK_PREFIX}{cache.name}")
 
 
 def _dir_for(root: Path, namespace: str) -> Path:

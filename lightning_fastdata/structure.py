@@ -347,7 +347,8 @@ def lead_error(info: FieldInfo, lead: int, sample: str, shape: Sequence[int], fi
         f"{sample}, {info.kind} field '{info.name}' has shape {shape}{decoded}, {first} has {first_shape}: the "
         f"samples of a ragged {info.kind} field may differ in their spatial size (the last {len(shape) - lead} dims) "
         f"only, not in their channels ({'dim 0' if lead == 1 else f'dims 0 to {lead - 1}'}), which the augmentations "
-        f"batch together; in static_transform, {fix}"
+        f"batch together; in static_transform, {fix}; or, if '{info.name}' is not an {info.kind}, say so: "
+        f"field_kinds={{'{info.name}': 'other'}}"
     )
 
 

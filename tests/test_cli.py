@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -236,6 +237,35 @@ def test_cuda_asked_for_without_cuda_is_a_parser_error_before_any_cache(tmp_path
     assert not (tmp_path / "cache").exists()  # failed before building anything
 
 
+def test_fit_stops_on_a_plan_or_cuda_error_with_one_line_before_any_cache(tmp_path, capsys, monkeypatch):
+    # fit gave a 14-frame traceback (exit 1) for a PlanError that plan and bench print on one
+    # line, and with device=cuda on a machine without CUDA built every cache before torch's
+    # "Found no NVIDIA driver" (found by review 87).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = write_config(tmp_path)
+    for override, culprit in ((["--data.init_args.device", "cuda"], "device='cuda' asks for CUDA"),
+                              (["--data.init_args.strategy", "device", "--data.init_args.store", "false"],
+                               "store")):
+        with pytest.raises(SystemExit) as e:
+            main(["fit", "--config", cfg, *override])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("fastdata fit: error: ") and culprit in err, err
+        assert "Traceback" not in err and not (tmp_path / "cache").exists()
+
+
+def test_fit_resumed_with_another_batch_size_mid_epoch_says_what_to_do_on_one_line(tmp_path, capsys):
+    cfg = write_config(tmp_path, trainer={"max_steps": 2, "enable_checkpointing": True})
+    main(["fit", "--config", cfg])
+    (ckpt,) = (tmp_path / "run").rglob("*.ckpt")  # step 2 of 6: inside the epoch
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", cfg, "--ckpt_path", str(ckpt), "--trainer.max_steps", "4",
+              "--data.init_args.batch_size", "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "checkpoint has batch_size=16, the loader has batch_size=8" in err, err
+    assert "saved at an epoch's end" in err and "load only the checkpoint's weights" in err and "Traceback" not in err
+
+
 def test_bench_shows_a_progress_bar(tmp_path, capsys):
     cfg = write_config(tmp_path)
     main(["bench", "--config", cfg, "--batches", "2", "--warmup", "0", "--repeats", "1"])
@@ -437,6 +467,26 @@ def test_cache_prune_removes_what_a_killed_first_build_left_and_list_shows_it(tm
     out = capsys.readouterr().out
     assert "1 temporary directory(ies) of killed builds removed" in out and not left.exists()
     assert re.search(r"^freed (?!0 B)", out, re.M), out  # the bytes of the temporary
+
+
+def test_cache_prune_never_touches_a_directory_of_the_users_in_the_cache_dir(tmp_path, capsys):
+    # Every subdirectory of cache_dir was swept as a namespace, and anything named .tmp-* in it
+    # older than a day was removed as a dead build's (found by review 94).
+    mine = tmp_path / "cache" / "my_experiments" / ".tmp-run3"
+    mine.mkdir(parents=True)
+    (mine / "results.csv").write_text("1,2\n")
+    old = time.time() - 3 * 86400
+    os.utime(mine, (old, old))
+    main(["cache", "list", "--cache-dir", str(tmp_path / "cache")])
+    assert "temporary" not in capsys.readouterr().out
+    main(["cache", "prune", "--cache-dir", str(tmp_path / "cache")])
+    assert "temporary" not in capsys.readouterr().out and (mine / "results.csv").exists()
+    from lightning_fastdata.store import sweep_temporaries
+
+    (tmp_path / "cache" / ".tmp-notes").mkdir()
+    os.utime(tmp_path / "cache" / ".tmp-notes", (old, old))
+    assert sweep_temporaries(tmp_path / "cache") == [] and (tmp_path / "cache" / ".tmp-notes").exists()
+    shutil.rmtree(tmp_path / "cache")  # the suite's own check of leftover temporaries would take them for ours
 
 
 def test_cache_prune_removes_only_unused_caches_and_says_what_it_frees(tmp_path, capsys):

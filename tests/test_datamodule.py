@@ -13,8 +13,10 @@ import torch
 from _helpers import CountingDataset, TinyDataModule, TinyModel, trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
 
+from lightning_fastdata import OptimizedDataModule
 from lightning_fastdata import augment as A
 from lightning_fastdata.loaders import FastBatch
+from lightning_fastdata.store import StoreError
 
 
 def _aug():
@@ -907,6 +909,83 @@ def test_a_random_eval_augment_is_the_same_in_every_fit_epoch_and_in_validate(tm
     fit.fit(model, dm)
     fit.validate(model, dm, verbose=False)
     assert len(model.losses) == 4 and len(set(model.losses)) == 1, model.losses
+
+
+class _Samples(OptimizedDataModule):
+    """Train split: sample i is ``make(i)``; ``files`` names each sample as ImageFolder does."""
+
+    def __init__(self, make=None, n: int = 5, files: list[str] | None = None, **kwargs) -> None:
+        kwargs.setdefault("progress", False)
+        super().__init__(**kwargs)
+        self.make, self.n, self.files = make, n, files
+
+    def source(self, split):
+        if split != "train":
+            return None
+        make, n, files = self.make, self.n, self.files
+
+        class Ds(torch.utils.data.Dataset):
+            samples = [(f, 0) for f in files] if files else None
+
+            def __len__(self):
+                return n
+
+            def __getitem__(self, i):
+                return make(i)
+
+        return Ds()
+
+
+def _photo(channels):
+    return lambda i: {"image": torch.full((channels[i], 5 + i, 7), 9 * i, dtype=torch.uint8), "label": i}
+
+
+@pytest.mark.parametrize("encode", [None, {"image": "jpeg"}])
+def test_a_ragged_image_field_whose_channels_change_is_refused_at_setup_naming_the_first_file(tmp_path, encode):
+    """Before: a source keeping each file's channels (PIL without convert('RGB'), decode_image) built
+    a ragged=["image"] store; training then failed on the first batch mixing 1 and 3 channels, naming
+    a batch position ("sample 1"), not a dataset index, and no file (found by review 81)."""
+    files = [str(tmp_path / f"img{i}.jpg") for i in range(5)]
+    dm = _Samples(_photo([3, 3, 1, 3, 1]), files=files, cache_dir=str(tmp_path / "c"), device="cpu",
+                  ragged=["image"], encode=encode, train_augment=A.RandomResizedCrop(4))
+    with pytest.raises(StoreError) as err:
+        dm.setup("fit")
+    decoded = " (decoded)" if encode else ""
+    assert str(err.value).startswith(
+        f"sample 2 ({files[2]}), image field 'image' has shape (1, 7, 7){decoded}, sample 0 ({files[0]}) has "
+        "(3, 5, 7): the samples of a ragged image field may differ in their spatial size (the last 2 dims) only, "
+        "not in their channels (dim 0)")
+    assert "image.convert('RGB') before pil_to_tensor" in str(err.value)
+    assert "field_kinds={'image': 'other'}" in str(err.value)
+    # With no augmentation to batch them, the samples come as a list, as they are.
+    plain = _Samples(_photo([3, 3, 1, 3, 1]), cache_dir=str(tmp_path / "c"), device="cpu", ragged=["image"],
+                     encode=encode, shuffle=False, batch_size=5)
+    plain.setup("fit")
+    batch = plain.on_after_batch_transfer(next(iter(plain.train_dataloader())), 0)
+    assert [x.shape[0] for x in batch["image"]] == [3, 3, 1, 3, 1]
+    plain.teardown("fit")
+
+
+def test_ragged_fields_that_may_change_every_dim_are_not_refused(tmp_path):
+    """Only the channels of fields this module treats as images or masks are held: boxes (K, 4) of
+    varying K, volumes (1, D, H, W) with (D, H, W) masks of varying D, a field declared 'other'
+    (a sequence the default kinds would take for an image: review 94)."""
+    flip = A.RandomFlip(dims=(-1,))
+    vols = _Samples(lambda i: {"vol": torch.zeros(1, 2 + i, 3, 4), "seg": torch.zeros(2 + i, 3, 4, dtype=torch.uint8),
+                               "boxes": torch.zeros(i, 4)}, n=4, cache_dir=str(tmp_path / "c"), device="cpu",
+                    ragged=["vol", "seg", "boxes"], field_kinds={"seg": "mask"}, train_augment=flip)
+    vols.setup("fit")
+    vols.teardown("fit")
+    seqs = _Samples(lambda i: {"seq": torch.zeros(1 + i, 3, 5), "y": i}, n=4, cache_dir=str(tmp_path / "c"),
+                    device="cpu", ragged=["seq"], field_kinds={"seq": "other"}, train_augment=flip)
+    seqs.setup("fit")
+    seqs.teardown("fit")
+    masks = _Samples(lambda i: {"image": torch.zeros(3, 2 + i, 4), "seg": torch.zeros(1 + i % 2, 2 + i, 4)}, n=3,
+                     cache_dir=str(tmp_path / "c"), device="cpu", ragged=["image", "seg"],
+                     field_kinds={"seg": "mask"}, train_augment=flip)
+    with pytest.raises(StoreError, match=r"sample 1, mask field 'seg' has shape \(2, 3, 4\), sample 0 has "
+                                         r"\(1, 2, 4\).*give every mask the same channels"):
+        masks.setup("fit")
 
 
 def test_checkpoint_carries_the_data_plan_and_a_changed_plan_warns_with_both(tmp_path):

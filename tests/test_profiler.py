@@ -1031,6 +1031,18 @@ def test_samples_of_batches_that_start_with_file_names(tmp_path, as_dict):
     assert (prof.report()["steps"], prof.report()["samples"]) == (4, 16)
 
 
+@pytest.mark.parametrize("batch,n", [
+    ((7, torch.zeros(4, 3), torch.zeros(4)), 4),  # a task id before the arrays counted 3 (review 94)
+    ((["a.jpg", "b.jpg"], torch.zeros(2, 3)), 2),
+    ({"path": ["a.jpg", "b.jpg", "c.jpg"]}, 3),
+    ([torch.zeros(5, 2), torch.zeros(5)], 5),
+])
+def test_the_samples_of_a_batch_are_its_first_arrays_rows(batch, n):
+    from lightning_fastdata._util import batch_len
+
+    assert batch_len(batch) == n
+
+
 def test_validation_advice_describes_the_validation_loader(tmp_path):
     # The advice of a data-bound validation (a main-process loader) described the training
     # loader's settings: "workers are saturated: 1 workers + the main process on 2 cores".
