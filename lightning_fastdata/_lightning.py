@@ -422,3 +422,18 @@ def quiet_shared_hook_warnings() -> None:
         message=r"You have overridden `(on_before_batch_transfer|transfer_batch_to_device|on_after_batch_transfer)`"
                 r" in both `LightningModule` and `LightningDataModule`",
     )
+
+
+# ---------------------------------------------------------------------- hyperparameters
+
+
+def given_hyperparameters() -> dict | None:
+    """The init arguments LightningCLI's instantiator is building a module with (its config:
+    an augmentation as a ``{"class_path": ..., "init_args": ...}`` dict), or None outside it.
+
+    ``lightning.pytorch.core.mixins.hparams_mixin._given_hyperparameters``: a ContextVar that
+    ``save_hyperparameters`` reads (Lightning 2.3 on; read on 2.4.0, 2.5.6 and 2.6.6).
+    """
+    mixin = importlib.import_module("lightning.pytorch.core.mixins.hparams_mixin")
+    given = _attr(mixin, "_given_hyperparameters", "the CLI's hyperparameters").get()
+    return dict(given) if given is not None else None

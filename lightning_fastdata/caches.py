@@ -66,16 +66,18 @@ def _cache_dirs(root: Path) -> list[tuple[str, Path]]:
 
 
 def _namespace_dirs(root: Path) -> list[Path]:
-    """``root`` and the namespaces in it: the directories holding a cache or a build lock (a
-    killed first build leaves its lock beside its temporary). Any other directory (a user's
-    own, kept in the cache dir) is not ours to sweep."""
+    """``root`` and the namespaces in it: the directories holding a cache, a build lock (a
+    killed first build leaves its lock beside its temporary) or one of this package's
+    temporaries (a removal that failed midway leaves its trash, with no lock). Any other
+    directory (a user's own, kept in the cache dir) is not ours to sweep."""
     out = [root]
     with contextlib.suppress(OSError):
         for p in sorted(root.iterdir()):
             if p.name.startswith(".") or p.is_symlink() or not p.is_dir() or _is_cache(p):
                 continue
             with contextlib.suppress(OSError):
-                if any(q.name.startswith(S.LOCK_PREFIX) or _is_cache(q) for q in p.iterdir()):
+                if any(q.name.startswith(S.LOCK_PREFIX) or S.is_build_temporary(q.name) or _is_cache(q)
+                       for q in p.iterdir()):
                     out.append(p)
     return out
 

@@ -175,12 +175,13 @@ class FastDataCallback(Callback):
             self.seeded_loaders += 1
         seeding = worker_seeding(dataloader)
         if seeding in _INSTALLED:
-            # Outside a fit the workers seed for epoch 0 and keep it (Lightning then sets the fit's
-            # progress on the loader's sampler): every validate or test draws the same numbers,
-            # whatever this Trainer fitted before, as the data module's loaders do.
-            fitting = trainer.state.fn == TrainerFn.FITTING
-            seeding.set_epoch(trainer.current_epoch if fitting else 0)  # ``held`` only stops a followed sampler's
-            seeding.held = not fitting
+            # An evaluation loader's workers seed for epoch 0 and keep it (Lightning sets the fit's
+            # progress on the loader's sampler), in a fit and outside one: every epoch's validation
+            # and every validate or test draws the same numbers, whatever this Trainer fitted
+            # before, as the data module's loaders do. A training loader follows the fit's epoch.
+            following = trainer.state.fn == TrainerFn.FITTING and split == "train"
+            seeding.set_epoch(trainer.current_epoch if following else 0)  # ``held`` only stops a followed sampler's
+            seeding.held = not following
         reason = randomness_repeats(dataloader)
         if reason is not None and not self._warned_repeats:
             self._warned_repeats = True
@@ -231,10 +232,10 @@ class FastDataCallback(Callback):
                 self.set_epoch_calls.append((where, epoch))
         if self.seed_workers:
             # Persistent workers pick the new epoch up at their next fetch. Validation loaders
-            # too: without it a plain one's workers replayed epoch 0's draws every epoch, or,
-            # persistent, carried on with no tie to the epoch (a resumed run drew differently).
+            # stay at epoch 0 (see ``_process_dataloader``), and reseed at each validation run, a
+            # new pass: every epoch's validation draws the same numbers, a resumed run's too.
             epoch = trainer.fit_loop.epoch_progress.current.processed
-            for dl in _flatten(trainer.train_dataloader) + _flatten(trainer.val_dataloaders):
+            for dl in _flatten(trainer.train_dataloader):
                 set_worker_epoch(dl, epoch)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -29,7 +29,13 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_fastdata import distributed as D
-from lightning_fastdata._lightning import batch_index_record, quiet_shared_hook_warnings, training_steps_in_flight
+from lightning_fastdata._lightning import (
+    DoorClosed,
+    batch_index_record,
+    given_hyperparameters,
+    quiet_shared_hook_warnings,
+    training_steps_in_flight,
+)
 from lightning_fastdata.augment import Batch, BatchTransform, starts_with_crop
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
@@ -331,12 +337,19 @@ class OptimizedDataModule(L.LightningDataModule):
         self._restored_plan: dict[str, Any] | None = None
         # dm.hparams shows the whole configuration (the subclass's arguments included);
         # augmentations by their repr, so checkpoints and loggers get text, not objects.
-        self.save_hyperparameters(logger=False)
+        # Ignored, not deep-copied into hparams (an augmentation holding a lock or a large tensor,
+        # an nn.Module Lightning warns about); put back below as text.
+        self.save_hyperparameters(ignore=["train_augment", "eval_augment"], logger=False)
+        try:
+            given = given_hyperparameters() or {}
+        except DoorClosed:  # a Lightning before the CLI saved its config: the text, as for Python
+            given = {}
         for key, augment in (("train_augment", train_augment), ("eval_augment", eval_augment)):
-            # LightningCLI saves its config: a {"class_path": ...} dict its instantiator rebuilds
-            # on load_from_checkpoint, kept; an object is kept as its repr (see ``hparams``).
-            if not isinstance(self.hparams.get(key), dict):
-                self.hparams[key] = repr(augment) if augment is not None else None
+            # LightningCLI's config gives a {"class_path": ...} dict its instantiator rebuilds on
+            # load_from_checkpoint: kept; an object is kept as its repr (see ``hparams``).
+            config = given.get(key)
+            self.hparams[key] = config if isinstance(config, dict) else (
+                repr(augment) if augment is not None else None)
 
     @property
     def eval_batch_size(self) -> int:
@@ -347,17 +360,21 @@ class OptimizedDataModule(L.LightningDataModule):
     @eval_batch_size.setter
     def eval_batch_size(self, value: int | None) -> None:
         self._eval_batch_size = value
+        if value is not None and hasattr(self, "_hparams"):
+            self._hparams["eval_batch_size"] = value  # saved with checkpoints (a tuned value)
 
     @property
     def hparams(self) -> Any:
         """Lightning's ``hparams``, the augmentations as their repr: a subclass's own
         ``save_hyperparameters()`` puts the objects back, and a checkpoint holding them cannot
         be loaded (torch's ``weights_only`` refuses the class), neither to resume nor by
-        ``load_from_checkpoint``. An ``eval_batch_size`` left to follow ``batch_size`` reads as
-        its value (the batch-size tuner reads it from here, and asserts on None)."""
+        ``load_from_checkpoint``. An ``eval_batch_size`` left to follow ``batch_size`` is left
+        out (Lightning's batch-size tuner read its None from here and failed on an assertion;
+        a number here would be saved, and a module loaded with another ``batch_size`` would
+        not follow it)."""
         hparams = _augments_as_text(super().hparams)
-        if "eval_batch_size" in hparams and getattr(self, "_eval_batch_size", 0) is None:
-            hparams["eval_batch_size"] = self.batch_size
+        if hparams.get("eval_batch_size", 0) is None:
+            del hparams["eval_batch_size"]
         return hparams
 
     @property

@@ -486,6 +486,15 @@ def test_cache_prune_never_touches_a_directory_of_the_users_in_the_cache_dir(tmp
     (tmp_path / "cache" / ".tmp-notes").mkdir()
     os.utime(tmp_path / "cache" / ".tmp-notes", (old, old))
     assert sweep_temporaries(tmp_path / "cache") == [] and (tmp_path / "cache" / ".tmp-notes").exists()
+    # A namespace holding only the trash of a removal that failed midway is still one (review 95).
+    trash = tmp_path / "cache" / "proj.Data" / ".tmp-trash~elsewhere~1~train-0123456789abcdef"
+    trash.mkdir(parents=True)
+    (trash / "field_0.npy").write_bytes(b"x" * 100)
+    os.utime(trash, (old, old))
+    main(["cache", "list", "--cache-dir", str(tmp_path / "cache")])
+    assert "and 1 temporary build directory(ies)" in capsys.readouterr().out
+    main(["cache", "prune", "--cache-dir", str(tmp_path / "cache")])
+    assert "1 temporary directory(ies) of killed builds removed" in capsys.readouterr().out and not trash.exists()
     shutil.rmtree(tmp_path / "cache")  # the suite's own check of leftover temporaries would take them for ours
 
 

@@ -863,6 +863,38 @@ def test_a_subclass_that_saves_its_own_hyperparameters_writes_checkpoints_that_l
     assert loaded.n == 32 and repr(loaded.train_augment) == repr(_aug())
 
 
+def test_an_unset_eval_batch_size_follows_batch_size_after_load_from_checkpoint(tmp_path):
+    # hparams gave the followed value as a number, which the checkpoint kept: a module loaded
+    # with batch_size=16 evaluated in batches of the old 8 (found by review 95).
+    dm = TinyDataModule(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False)
+    fit = trainer(tmp_path, limit_train_batches=1)
+    fit.fit(TinyModel(), dm)
+    fit.save_checkpoint(tmp_path / "x.ckpt")
+    assert "eval_batch_size" not in torch.load(tmp_path / "x.ckpt", weights_only=True)["datamodule_hyper_parameters"]
+    loaded = TinyDataModule.load_from_checkpoint(tmp_path / "x.ckpt", batch_size=16)
+    assert loaded.eval_batch_size == 16
+    loaded.eval_batch_size = 4  # set (by hand, or by the tuner): saved
+    assert loaded.hparams["eval_batch_size"] == 4
+
+
+def test_an_augmentation_that_cannot_be_deep_copied_is_accepted(tmp_path):
+    # hparams deep-copied the augmentation objects: one holding a lock failed the constructor
+    # with "cannot pickle '_thread.lock' object" (found by review 95).
+    import threading
+
+    from lightning_fastdata.augment import BatchTransform
+
+    class Locked(BatchTransform):
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def apply_batch(self, batch):
+            return batch
+
+    dm = TinyDataModule(n=8, cache_dir=str(tmp_path / "c"), train_augment=Locked())
+    assert dm.hparams["train_augment"].startswith("<") or "Locked" in dm.hparams["train_augment"]
+
+
 @pytest.mark.parametrize("arg", ["batch_size", "eval_batch_size"])
 def test_the_batch_size_tuner_scales_the_validation_batches(tmp_path, arg):
     # eval_batch_size was fixed at init to batch_size: tuning batch_size for validation changed
