@@ -348,8 +348,9 @@ class OptimizedDataModule(L.LightningDataModule):
             # LightningCLI's config gives a {"class_path": ...} dict its instantiator rebuilds on
             # load_from_checkpoint: kept; an object is kept as its repr (see ``hparams``).
             config = given.get(key)
-            self.hparams[key] = config if isinstance(config, dict) else (
-                repr(augment) if augment is not None else None)
+            value = config if isinstance(config, dict) else (repr(augment) if augment is not None else None)
+            self.hparams[key] = value
+            self._hparams_initial[key] = value  # what loggers record (a subclass that logs them)
 
     @property
     def eval_batch_size(self) -> int:
@@ -360,8 +361,11 @@ class OptimizedDataModule(L.LightningDataModule):
     @eval_batch_size.setter
     def eval_batch_size(self, value: int | None) -> None:
         self._eval_batch_size = value
-        if value is not None and hasattr(self, "_hparams"):
-            self._hparams["eval_batch_size"] = value  # saved with checkpoints (a tuned value)
+        if hasattr(self, "_hparams"):  # saved with checkpoints (a tuned value); None: follows batch_size
+            if value is None:
+                self._hparams.pop("eval_batch_size", None)
+            else:
+                self._hparams["eval_batch_size"] = value
 
     @property
     def hparams(self) -> Any:

@@ -851,6 +851,8 @@ def test_a_subclass_that_saves_its_own_hyperparameters_writes_checkpoints_that_l
     dm = _SavesItsOwn(batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", val=False, train_augment=_aug())
     assert dm.hparams["train_augment"].startswith("Compose(")
     assert dm.hparams_initial["train_augment"].startswith("Compose(")  # what loggers record
+    plain = TinyDataModule(n=8, cache_dir=str(tmp_path / "c"), train_augment=_aug())
+    assert plain.hparams_initial["train_augment"].startswith("Compose(")
     fit = trainer(tmp_path, max_epochs=1, limit_train_batches=2)
     fit.fit(TinyModel(), dm)
     path = tmp_path / "x.ckpt"
@@ -875,6 +877,8 @@ def test_an_unset_eval_batch_size_follows_batch_size_after_load_from_checkpoint(
     assert loaded.eval_batch_size == 16
     loaded.eval_batch_size = 4  # set (by hand, or by the tuner): saved
     assert loaded.hparams["eval_batch_size"] == 4
+    loaded.eval_batch_size = None  # follows batch_size again: not saved (review 96)
+    assert loaded.eval_batch_size == 16 and "eval_batch_size" not in loaded.hparams
 
 
 def test_an_augmentation_that_cannot_be_deep_copied_is_accepted(tmp_path):
