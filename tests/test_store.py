@@ -180,15 +180,24 @@ def _wait_for_temporary(cache_dir, timeout_s=60.0):
     raise AssertionError(f"no build temporary appeared in {cache_dir}")
 
 
-def test_a_live_builders_temporary_is_not_swept_however_old(cache_dir):
-    """A build running for more than a day keeps its temporary through other builds and prunes."""
+@pytest.mark.parametrize("seen_as", ["old", "another-pid-namespace"])
+def test_a_live_builders_temporary_is_not_swept(cache_dir, monkeypatch, seen_as):
+    """A build running for more than a day keeps its temporary through other builds and prunes;
+    so does one in another PID namespace on this host (a container with the same hostname),
+    whose pid here names another process (another start time): its live temporary was removed
+    by the sweep of another build, and it died with FileNotFoundError."""
+    from lightning_fastdata import store as S
     from lightning_fastdata.caches import prune_caches
 
     proc = _builder(cache_dir, n=200, delay=0.02)
     try:
         tmp = _wait_for_temporary(cache_dir)
-        _back_date(tmp)  # as if the build had started 25 h ago
-        val = build_store(CountingDataset(5), lambda s: s, cache_dir, name="val", progress=False)
+        if seen_as == "old":
+            _back_date(tmp)  # as if the build had started 25 h ago
+        else:
+            real = S._started
+            monkeypatch.setattr(S, "_started", lambda pid: real(pid) + 1 if pid == proc.pid else real(pid))
+        val = build_store(CountingDataset(5), lambda s: s, cache_dir, name="val", progress=False)  # sweeps
         prune_caches(cache_dir)  # `fastdata cache prune` sweeps too (it keeps `val`: open here)
         assert tmp.exists()
         out, err = proc.communicate(timeout=120)
@@ -831,31 +840,3 @@ def test_a_manifest_that_is_a_directory_is_an_invalid_cache_and_rebuilt(cache_di
     with pytest.warns(UserWarning, match=r"rebuilding the 'train' cache: .*manifest\.json cannot be read"):
         again = build_store(CountingDataset(10), lambda s: s, cache_dir, progress=False)
     assert again.path == built.path and len(open_store(again.path, verify=True)) == 10
-
-
-def test_a_live_builder_in_another_pid_namespace_keeps_its_temporary(cache_dir, monkeypatch):
-    """Before: a build in another PID namespace on this host (a container with the same hostname),
-    whose pid here names another process (another start time), had its live temporary removed by
-    the sweep of another build, and died with FileNotFoundError."""
-    from lightning_fastdata import store as S
-    from lightning_fastdata.caches import prune_caches
-
-    proc = _builder(cache_dir, n=200, delay=0.02)
-    try:
-        tmp = _wait_for_temporary(cache_dir)
-        real = S._started
-        # as seen from another PID namespace: the builder's pid is some other process here
-        monkeypatch.setattr(S, "_started", lambda pid: real(pid) + 1 if pid == proc.pid else real(pid))
-        val = build_store(CountingDataset(5), lambda s: s, cache_dir, name="val", progress=False)  # sweeps
-        prune_caches(cache_dir)  # sweeps too
-        assert tmp.exists()
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    fp, calls = out.split()
-    assert int(calls) == 200 + 2 * 8
-    assert len(open_store(cache_dir / f"train-{fp[:16]}", verify=True)) == 200 and len(val) == 5
-    assert not list(cache_dir.glob(".tmp-*"))
