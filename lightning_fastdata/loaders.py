@@ -321,6 +321,9 @@ class _Loader:
     yielded batches.
     """
 
+    #: The stored fields it reads (its teardown checks ``dropped``), or None (a raw dataset).
+    source: Source | None = None
+
     def __init__(self, order: ShardedOrder) -> None:
         self.order = order
         #: Iterations under way (a generator suspended mid-epoch counts until it is closed).
@@ -365,8 +368,7 @@ class _Loader:
         return self.order
 
     def __iter__(self) -> Iterator[FastBatch]:
-        source = self._source()
-        if source is not None and source.dropped:
+        if self.source is not None and self.source.dropped:
             # Its fields were emptied to free the memory: a batch would come out with no fields.
             split, again = (f"{self.split} ", f"call {self.split}_dataloader()") if self.split else ("", "ask")
             raise RuntimeError(
@@ -378,10 +380,6 @@ class _Loader:
 
     def _iterate(self) -> Iterator[FastBatch]:
         raise NotImplementedError
-
-    def _source(self) -> Source | None:
-        """The stored fields this loader reads, or None (a raw dataset)."""
-        return None
 
     def close_iterations(self, tag: Any = None) -> None:
         """Close the iterations under way that started with ``tag`` (every one when None): the
@@ -572,9 +570,6 @@ class IndexLoader(_Loader):
     def indices(self, epoch: int | None = None) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in the order batches are cut."""
         return self.order.indices(epoch)
-
-    def _source(self) -> Source:
-        return self.source
 
     def _produce(self, start: int) -> Iterator[FastBatch]:
         epoch, prepare = self.order.epoch, self.prepare
@@ -839,9 +834,6 @@ class WorkerLoader(_Loader):
     @property
     def num_workers(self) -> int:
         return self.dataloader.num_workers
-
-    def _source(self) -> HostSource | None:
-        return self.source
 
     def close(self) -> None:
         """Stop the iterations under way and the worker processes now. Persistent workers
