@@ -26,6 +26,7 @@ and exit code 2, never a traceback from deep inside.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -146,9 +147,20 @@ class _ToolCLI(LightningCLI):
         # A fit config (`fastdata fit --print_config`, Lightning's saved config.yaml) has
         # Trainer.fit's own arguments (ckpt_path, weights_only): accept them, typed as fit
         # types them, so the same file works here; nothing is fitted, so they do nothing.
-        added = parser.add_method_arguments(self.trainer_class, "fit", skip=self.subcommands()["fit"])
-        door.label_arguments(parser, added, f"Trainer.fit's own arguments, accepted so a fit config works; "
-                             f"ignored by {self.tool}", f"Ignored by {self.tool} (fit's argument).")
+        # A validate/test/predict config differs only by its method's own arguments
+        # (verbose, return_predictions): accepted too, so any saved config of the same run works.
+        methods = ("fit", "validate", "test", "predict")
+        taken: set[str] = set()
+        for method in methods:
+            added = parser.add_method_arguments(self.trainer_class, method,
+                                                skip=set(self.subcommands()[method]) | taken)
+            if not added:
+                continue
+            taken |= set(added)
+            owners = "/".join(m for m in methods  # `verbose` is validate's and test's
+                              if set(added) <= set(inspect.signature(getattr(self.trainer_class, m)).parameters))
+            door.label_arguments(parser, added, f"Trainer.{owners}'s own arguments, accepted so a {owners} config "
+                                 f"works; ignored by {self.tool}", f"Ignored by {self.tool} ({owners}'s argument).")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--json", type=str | None, default=None,

@@ -219,6 +219,21 @@ def test_plan_and_bench_accept_the_fit_subcommands_own_arguments(tmp_path, capsy
     assert "ignored by plan" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_plan_and_bench_read_a_config_saved_by_any_subcommand(tmp_path, capsys, subcommand):
+    """`fastdata test --print_config` writes `verbose`, predict `return_predictions`: read like a fit config."""
+    cfg = write_config(tmp_path)
+    with pytest.raises(SystemExit):
+        main([subcommand, "--config", cfg, "--print_config"])
+    saved = tmp_path / f"{subcommand}.yaml"
+    saved.write_text(capsys.readouterr().out)
+    assert ("verbose:" if subcommand != "predict" else "return_predictions:") in saved.read_text()
+    main(["plan", "--config", str(saved)])
+    assert "strategy = device" in capsys.readouterr().out
+    main(["bench", "--config", str(saved), "--batches", "1", "--warmup", "0", "--repeats", "1", "--progress", "false"])
+    assert "recommendation:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("override, setting", [
     (["--trainer.accelerator", "gpu", "--data.init_args.device", "null"], "trainer.accelerator='gpu'"),
     (["--trainer.accelerator", "cuda"], "trainer.accelerator='cuda'"),
