@@ -839,6 +839,13 @@ class OptimizedDataModule(L.LightningDataModule):
         n = len(self.stores[split]) if split in self.stores else len(self._raw[split])
         # Prediction gives every sample to one rank (Lightning's UnrepeatedDistributedSamplerWrapper):
         # padding would predict some samples twice.
+        if split == "predict" and n < world:
+            # A rank with no sample gets an empty loader, which Lightning refuses with a message
+            # that names neither the split's size nor the ranks; every rank sees the same n and
+            # world, so all stop here together (no rank left waiting in a collective).
+            raise ValueError(f"the predict split has {n} sample(s) for {world} ranks: with no padding (each sample "
+                             f"predicted once), rank {n} and above would predict nothing; predict on at most {n} "
+                             f"device(s) (Trainer(devices={n})) or on more samples")
         # overfit_batches: the same first batches every epoch (Lightning turns a DataLoader's
         # shuffling off, but can do nothing to these loaders, which have no dataset).
         overfit = self.trainer is not None and bool(self.trainer.overfit_batches)

@@ -1363,6 +1363,22 @@ def test_prediction_under_ddp_gives_every_sample_to_one_rank(tmp_path, monkeypat
         dm.teardown("predict")
 
 
+def test_prediction_with_fewer_samples_than_ranks_is_refused_naming_both(tmp_path, monkeypatch):
+    # 2 samples over 3 ranks left rank 2 an empty loader: Lightning stopped with its generic
+    # zero-length message, naming neither the split's size nor the ranks.
+    dm = _Predicting(n=2, batch_size=4, cache_dir=str(tmp_path / "c"), device="cpu")
+    dm.setup("predict")
+    try:
+        for rank in (0, 2):  # every rank refuses: none is left waiting for the others
+            monkeypatch.setattr(dm, "_rank_world", lambda rank=rank: (rank, 3))
+            with pytest.raises(ValueError, match=r"predict split has 2 sample\(s\) for 3 ranks.*devices=2"):
+                dm.build_loader("predict")
+        monkeypatch.setattr(dm, "_rank_world", lambda: (1, 2))
+        assert [b.indices.tolist() for b in dm.build_loader("predict")] == [[1]]
+    finally:
+        dm.teardown("predict")
+
+
 def test_a_random_eval_augment_outside_fit_does_not_depend_on_the_epochs_fitted_before(tmp_path):
     # Lightning sets its fit progress as the epoch of test/predict loaders too: the flips of a
     # prediction right after a 3-epoch fit differed from those of a fresh Trainer.
