@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -73,13 +73,18 @@ from lightning_fastdata.augment_resize import CenterCrop, Resize, resize_center_
 from lightning_fastdata.keys import SampleKeys
 
 
-def _check_ops(transforms: Sequence[Callable], owner: str) -> list[Callable]:
+def _check_ops(transforms: Iterable[Callable], owner: str) -> list[Callable]:
+    """The ops as a list: a single op, or any iterable of them (a generator too)."""
     if callable(transforms) and not isinstance(transforms, (list, tuple)):
-        transforms = [transforms]  # type: ignore[list-item]
-    for i, t in enumerate(transforms):
+        return [transforms]
+    if not isinstance(transforms, Iterable) or isinstance(transforms, (str, bytes)):
+        raise TypeError(f"{owner} transforms must be a list of ops, got {transforms!r}")
+    # Listed once, before the checks: checking a generator consumed it and left no op to run.
+    ops = list(transforms)
+    for i, t in enumerate(ops):
         if not callable(t):
             raise TypeError(f"{owner} item {i} is a {type(t).__name__}, not a transform")
-    return list(transforms)
+    return ops
 
 
 def _run(op: Callable, batch: Batch, keys: SampleKeys) -> Batch:

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_fastdata.keys import BoundedCache, SampleKeys
@@ -662,6 +663,26 @@ def _items(value: Any) -> list[Any] | None:
         return list(value)
     except TypeError:
         return None
+
+
+def flag(value: Any, name: str) -> bool:
+    """A boolean flag as a plain bool: True, False or a numpy bool; anything else is a TypeError
+    naming ``name`` (``bool()`` read the string "False", from argparse or a hand-made config, as True)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}; a string such as 'False' would read as True")
+
+
+def plain_number(value: Any, name: str) -> int | float:
+    """A finite number as a plain int (ints, numpy and 0-d tensor integers) or float (other
+    reals): a numpy scalar or 0-d tensor kept as given showed as ``np.float32(0.5)`` or
+    ``tensor(0.5)`` in the op's repr and saved hyperparameters. TypeError/ValueError as
+    :func:`finite_float`."""
+    out = finite_float(value, name)
+    try:
+        return operator.index(value)
+    except TypeError:
+        return out
 
 
 def finite_float(value: Any, name: str) -> float:

@@ -21,6 +21,7 @@ from lightning_fastdata.augment_base import (
     compute_dtype,
     const,
     fill_values,
+    flag,
     float_range,
     float_seq,
     host_shortcuts,
@@ -117,7 +118,7 @@ class ToDtype(BatchTransform):
     def __init__(self, dtype: str = "float32", scale: bool = True) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.dtype, self.scale = dtype, bool(scale)
+        self.dtype, self.scale = dtype, flag(scale, "scale")
 
     def apply_batch(self, batch: Batch) -> Batch:
         """Convert every image field."""

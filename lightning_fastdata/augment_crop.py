@@ -7,7 +7,6 @@ to every image and mask field of the batch; ``other`` fields pass through.
 from __future__ import annotations
 
 import math
-import numbers
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,10 +20,12 @@ from lightning_fastdata.augment_base import (
     BatchTransform,
     const,
     finite_float,
+    flag,
     host_shortcuts,
     int_seq,
     keep_format,
     per_dim,
+    plain_number,
     refuse_unfit_fill,
     scratch,
     spatial_arg,
@@ -493,11 +494,10 @@ class RandomCrop(BatchTransform):
                  pad_if_needed: bool = False) -> None:
         self.size = spatial_arg(size, "size", lowest=1)
         self.padding = _padding_arg(padding)
-        if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
-            raise TypeError(f"RandomCrop fill must be a number, got {fill!r}")
-        finite_float(fill, "fill")  # nan padded float images with NaN without a word
-        self.fill = fill
-        self.pad_if_needed = bool(pad_if_needed)
+        # Finite (nan padded float images with NaN without a word); a numpy scalar or 0-d
+        # tensor too, stored as a plain number.
+        self.fill = plain_number(fill, "fill")
+        self.pad_if_needed = flag(pad_if_needed, "pad_if_needed")
 
     def _pads(self, sd: int, spatial: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...],
                                                               tuple[int, ...]]:

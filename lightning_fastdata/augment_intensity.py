@@ -20,11 +20,15 @@ from lightning_fastdata.augment_base import (
     BatchTransform,
     bcast,
     finite_float,
+    flag,
     float_range,
+    float_seq,
     keep_format,
+    plain_number,
     probability,
     scratch,
 )
+from lightning_fastdata.augment_base import _float as _scalar  # this module's _float converts tensors
 from lightning_fastdata.augment_crop import cut_windows
 
 
@@ -188,11 +192,12 @@ class ScaleIntensityRange(PointwiseIntensity):
                                                   (b_max, "b_max")))
         if self.a_max == self.a_min:
             raise ValueError(f"a_min and a_max must differ, got a_min={a_min!r}, a_max={a_max!r}")
+        clip = flag(clip, "clip")
         if clip and self.b_min > self.b_max:
             raise ValueError(f"clip needs b_min <= b_max, got b_min={b_min!r}, b_max={b_max!r}")
         if dtype not in DTYPES or not DTYPES[dtype].is_floating_point:
             raise ValueError(f"dtype must be a float dtype name, got {dtype!r}")
-        self.clip, self.dtype = bool(clip), dtype
+        self.clip, self.dtype = clip, dtype
 
     def steps(self, dtype: torch.dtype) -> list[Step]:  # type: ignore[override]
         """In float64 if the input or output is float64, else float32: MONAI's
@@ -215,6 +220,15 @@ class ScaleIntensityRange(PointwiseIntensity):
     def apply_batch(self, batch: Batch) -> Batch:  # type: ignore[override]
         """Window every image field."""
         return super().apply_batch(batch)
+
+
+def _as_given(value: float | Sequence[float], name: str) -> int | float | tuple[float, ...]:
+    """A range argument as plain numbers, to check and to keep for the op's repr and saved
+    hyperparameters: a number stays one (a numpy scalar or 0-d tensor becomes an int or a
+    float), a sequence becomes a tuple (read once: a generator checked, then kept, was kept empty)."""
+    if _scalar(value) is not None:
+        return plain_number(value, name)
+    return float_seq(value, name, "a number or a pair (min, max)")
 
 
 def _signed_range(value: float | Sequence[float], name: str) -> tuple[float, float]:
@@ -252,6 +266,7 @@ class RandomScaleIntensity(_RandomFactor, PointwiseIntensity):
     """
 
     def __init__(self, factors: float | Sequence[float], p: float = 1.0) -> None:
+        factors = _as_given(factors, "factors")
         super().__init__(_signed_range(factors, "factors"), p)
         self.factors = factors
 
@@ -281,6 +296,7 @@ class RandomShiftIntensity(_RandomFactor, PointwiseIntensity):
     param = "offset"
 
     def __init__(self, offsets: float | Sequence[float], p: float = 1.0) -> None:
+        offsets = _as_given(offsets, "offsets")
         super().__init__(_signed_range(offsets, "offsets"), p)
         self.offsets = offsets
 
@@ -314,8 +330,9 @@ class RandomAdjustContrast(_RandomFactor):
     param = "gamma"
 
     def __init__(self, gamma: float | Sequence[float] = (0.5, 4.5), p: float = 1.0) -> None:
-        if isinstance(gamma, (int, float)) and not isinstance(gamma, bool):
-            top = finite_float(gamma, "gamma")  # nan passed the check below and gave NaN images
+        gamma = _as_given(gamma, "gamma")  # a numpy scalar or 0-d tensor too: a number, not read as a pair
+        if not isinstance(gamma, tuple):
+            top = float(gamma)  # finite (plain_number): nan passed the check below and gave NaN images
             if top <= 0.5:
                 raise ValueError(f"gamma as a single number must be > 0.5 (the range is (0.5, gamma)), got {gamma!r}")
             rng = (0.5, top)
@@ -366,7 +383,7 @@ class GaussianNoise(BatchTransform):
         mean, sigma = finite_float(mean, "mean"), finite_float(sigma, "sigma")
         if sigma < 0:
             raise ValueError(f"sigma must be >= 0, got {sigma}")
-        self.mean, self.sigma, self.clip = mean, sigma, bool(clip)
+        self.mean, self.sigma, self.clip = mean, sigma, flag(clip, "clip")
 
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
         """``noise``: image field name -> standard normal draws of the field's shape (float32)."""

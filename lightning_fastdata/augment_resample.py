@@ -26,6 +26,7 @@ from lightning_fastdata.augment_base import (
     compute_dtype,
     const,
     fill_values,
+    flag,
     float_range,
     float_seq,
     host_shortcuts,
@@ -257,7 +258,7 @@ class RandomResizedCrop(BatchTransform):
         if self.scale[1] <= 0:
             raise ValueError(f"scale must have max > 0, got {scale!r}")
         self.ratio = _ratio_range(ratio)
-        self.antialias = bool(antialias)
+        self.antialias = flag(antialias, "antialias")
 
     def make_params(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-sample crop boxes ``top``, ``left``, ``height``, ``width``: int64 (N,)."""

@@ -18,6 +18,8 @@ from lightning_fastdata._pool import default_threads, map_runs
 from lightning_fastdata.augment_base import (
     Batch,
     BatchTransform,
+    _int,
+    flag,
     host_shortcuts,
     keep_format,
     refuse_bool_images,
@@ -69,10 +71,12 @@ class Resize(BatchTransform):
         if max_size is not None:
             if len(size) != 1:
                 raise ValueError(f"Resize max_size goes with an int size (the shorter side), got size={size!r}")
-            if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= size[0]:
+            top = _int(max_size)  # numpy and 0-d tensor integers too, stored as a plain int
+            if top is None or top <= size[0]:
                 raise ValueError(f"Resize max_size must be an int > size={size[0]}, got {max_size!r}")
+            max_size = top
         self.max_size = max_size
-        self.antialias = bool(antialias)
+        self.antialias = flag(antialias, "antialias")
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """The (h, w) an input of (height, width) is resized to."""

@@ -750,3 +750,88 @@ def test_range_and_fill_arguments_take_numpy_scalars_and_0d_tensors(make):
     assert repr(make(np.int64(1))) == repr(make(1))
     with pytest.raises(TypeError, match="must be"):
         make(True)  # a bool stays refused
+
+
+@pytest.mark.parametrize("make", [
+    lambda ops: A.Compose(ops),
+    lambda ops: A.RandomApply(ops, p=1.0),
+], ids=["Compose", "RandomApply"])
+@pytest.mark.parametrize("one_shot", [lambda ops: (op for op in ops), iter], ids=["generator", "iterator"])
+def test_ops_given_as_a_generator_are_all_run(make, one_shot):
+    """``Compose(op for op in ops)`` became ``Compose(transforms=[])``: the check of the ops
+    consumed the generator, and the output equalled the input without a word."""
+    ops = [A.RandomHorizontalFlip(p=1.0), A.Normalize([0.5] * 3, [0.25] * 3)]
+    x = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    op = make(one_shot(ops))
+    assert op.transforms == ops
+    assert torch.equal(op(x, keys(4)), make(ops)(x, keys(4)))
+    with pytest.raises(TypeError, match=r"^Compose transforms must be a list of ops, got 3$"):
+        A.Compose(3)
+
+
+@pytest.mark.parametrize("make, values", [
+    (lambda v: A.RandomScaleIntensity(v()), (-0.2, 0.3)),
+    (lambda v: A.RandomShiftIntensity(v()), (-0.2, 0.3)),
+    (lambda v: A.RandomAdjustContrast(v()), (0.7, 1.5)),
+    (lambda v: A.Normalize(v(), v()), (0.5, 0.4, 0.3)),
+    (lambda v: A.RandomCrop(v(), padding=v()), (4, 5)),
+    (lambda v: A.RandomFlip(v()), (-2, -1)),
+    (lambda v: A.RandomAffine(v(), translate=v(), scale=v(), center=v()), (0.5, 0.9)),
+    (lambda v: A.RandomResizedCrop(8, scale=v(), ratio=v()), (0.5, 0.9)),
+    (lambda v: A.ColorJitter(v(), v(), v()), (0.5, 0.9)),
+    (lambda v: A.RandomErasing(value=v()), (0.1, 0.2, 0.3)),
+], ids=["RandomScaleIntensity", "RandomShiftIntensity", "RandomAdjustContrast", "Normalize", "RandomCrop",
+        "RandomFlip", "RandomAffine", "RandomResizedCrop", "ColorJitter", "RandomErasing"])
+def test_sequence_arguments_may_be_one_shot_iterables(make, values):
+    """The intensity ops checked their range, then kept the argument as given: a generator was
+    kept exhausted (its repr and saved hyperparameters said nothing of the range)."""
+    want = repr(make(lambda: list(values)))
+    assert repr(make(lambda: iter(values))) == repr(make(lambda: (v for v in values))) == want
+
+
+_FLAGS = [
+    (lambda v: A.ToDtype("float32", scale=v), "ToDtype", "scale"),
+    (lambda v: A.RandomCrop(16, pad_if_needed=v), "RandomCrop", "pad_if_needed"),
+    (lambda v: A.ScaleIntensityRange(0, 1, clip=v), "ScaleIntensityRange", "clip"),
+    (lambda v: A.GaussianNoise(clip=v), "GaussianNoise", "clip"),
+    (lambda v: A.Resize(6, antialias=v), "Resize", "antialias"),
+    (lambda v: A.RandomResizedCrop(6, antialias=v), "RandomResizedCrop", "antialias"),
+]
+
+
+@pytest.mark.parametrize("make, op, param", _FLAGS, ids=[f"{o}-{p}" for _, o, p in _FLAGS])
+def test_boolean_flags_refuse_strings_and_numbers(make, op, param):
+    """``bool()`` read the string "False" (argparse, an environment variable, a hand-made config)
+    as True: ``ToDtype(scale="False")`` scaled uint8 200 to 0.78, ``RandomCrop(16,
+    pad_if_needed="False")`` padded an 8x8 image instead of refusing it."""
+    np = pytest.importorskip("numpy")
+    for bad in ("False", "True", 0, 1, None):
+        with pytest.raises(TypeError, match=rf"^{op}: {param} must be True or False, got {bad!r}"):
+            make(bad)
+    for value in (False, True, np.False_, np.True_):
+        got = getattr(make(value), param)
+        assert type(got) is bool and got == bool(value)
+    u = torch.full((2, 3, 4, 4), 200, dtype=torch.uint8)
+    assert A.ToDtype("float32", scale=np.False_)(u)[0, 0, 0, 0].item() == 200.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda v: A.Resize(6, max_size=v * 5),
+    lambda v: A.RandomCrop(8, padding=2, fill=v),
+    lambda v: A.RandomScaleIntensity(v),
+    lambda v: A.RandomShiftIntensity(v),
+    lambda v: A.RandomAdjustContrast(v * 2),
+], ids=["Resize-max_size", "RandomCrop-fill", "RandomScaleIntensity", "RandomShiftIntensity", "RandomAdjustContrast"])
+def test_number_arguments_take_numpy_scalars_and_0d_tensors_kept_plain(make):
+    """``Resize(6, max_size=np.int64(10))`` and ``RandomCrop(fill=torch.tensor(0.5))`` were
+    refused; ``RandomCrop(fill=np.float32(0.5))`` and the intensity ops kept the numpy scalar,
+    which showed as ``np.float32(0.5)`` in the repr and saved hyperparameters."""
+    np = pytest.importorskip("numpy")
+    for v in (np.int64(2), torch.tensor(2)):
+        assert repr(make(v)) == repr(make(2)), type(v)
+    ints = [A.Resize(6, max_size=np.int64(10)).max_size, A.RandomCrop(8, fill=torch.tensor(3)).fill]
+    assert all(type(i) is int for i in ints) and ints == [10, 3]
+    if "max_size" in repr(make(2)):
+        return  # max_size is an int
+    for v in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5)):
+        assert repr(make(v)) == repr(make(0.5)), type(v)

@@ -289,3 +289,18 @@ def test_intensity_ops_refuse_parameters_that_are_not_finite_numbers(make, error
     strings failed on float() or a comparison without naming the parameter."""
     with pytest.raises(error, match=match):
         make()
+
+
+def test_random_adjust_contrast_takes_a_single_gamma_as_a_numpy_scalar_or_0d_tensor():
+    """``RandomAdjustContrast(gamma=np.float32(2.0))`` (or np.int64(2), torch.tensor(2.0)) was read
+    as a pair and refused with "gamma must be an increasing pair within [0.0, inf]", while 2.0
+    was taken as the range (0.5, 2.0)."""
+    np = pytest.importorskip("numpy")
+    x = torch.rand(64, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    want = A.RandomAdjustContrast(2.0).draw(x, keys(64))["gamma"]
+    for g in (np.float32(2.0), np.float64(2.0), np.int64(2), torch.tensor(2.0), torch.tensor(2)):
+        op = A.RandomAdjustContrast(g)
+        assert torch.equal(op.draw(x, keys(64))["gamma"], want), type(g)
+        assert repr(op) in ("RandomAdjustContrast(p=1.0, gamma=2.0)", "RandomAdjustContrast(p=1.0, gamma=2)")
+    with pytest.raises(ValueError, match=r"gamma as a single number must be > 0.5 \(the range is \(0.5, gamma\)\)"):
+        A.RandomAdjustContrast(np.float32(0.4))
