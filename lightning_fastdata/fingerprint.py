@@ -26,7 +26,8 @@ store's manifest, so that when a cache is rebuilt the warning can say what chang
 ``source``
     The dataset's class, length and construction-time attributes (:data:`SOURCE_ATTRIBUTES`),
     and the samples it holds in memory (:data:`SOURCE_ARRAYS`: ``TensorDataset.tensors``,
-    torchvision's ``data``/``targets``).
+    torchvision's ``data``/``targets``); the same for every dataset it wraps, at any depth
+    (``Subset(Subset(ConcatDataset([...])))``, every member of a ``ConcatDataset``).
 ``probes``
     The bytes, dtypes and shapes of the static outputs of probe samples spread over
     the index range.
@@ -501,43 +502,33 @@ def _attribute_names(code: types.CodeType) -> set[str]:
 # --------------------------------------------------------------------------- files
 
 
-def discover_files(source: Any, depth: int = 0) -> list[str]:
-    """Paths a dataset reads, found on its attributes.
+def discover_files(source: Any) -> list[str]:
+    """Paths a dataset reads, found on its attributes and on those of every dataset it wraps.
 
     An attribute counts when it is a list or tuple of path strings, or of tuples/lists
     whose first item is a path string (``ImageFolder.samples``, ``.imgs``), and its first
-    path exists; or a single string naming an existing file. Attributes that are
-    datasets themselves (``Subset.dataset``, ``ConcatDataset.datasets``) are searched
-    too, two levels deep.
+    path exists; or a single string naming an existing file. Datasets it wraps
+    (``Subset.dataset``, ``ConcatDataset.datasets``) are searched too, at any depth.
     """
-    state = _state(source) or {}
     seen_lists: set[int] = set()
     paths: dict[str, None] = {}
-    for value in state.values():
-        if isinstance(value, (str, PurePath)):
-            p = os.fspath(value)
-            if os.path.isfile(p):
-                paths[p] = None
-            continue
-        if not isinstance(value, (list, tuple)) or not value or id(value) in seen_lists:
-            continue
-        seen_lists.add(id(value))
-        first = value[0]
-        if isinstance(first, (list, tuple)) and first and isinstance(first[0], (str, PurePath)):
-            if os.path.exists(first[0]):
-                paths.update((os.fspath(v[0]), None) for v in value if isinstance(v, (list, tuple)) and v
-                             and isinstance(v[0], (str, PurePath)))
-        elif isinstance(first, (str, PurePath)):
-            if os.path.exists(first):
+    for ds in _sources(source):
+        for value in (_state(ds) or {}).values():
+            if isinstance(value, (str, PurePath)):
+                p = os.fspath(value)
+                if os.path.isfile(p):
+                    paths[p] = None
+                continue
+            if not isinstance(value, (list, tuple)) or not value or id(value) in seen_lists:
+                continue
+            seen_lists.add(id(value))
+            first = value[0]
+            if isinstance(first, (list, tuple)) and first and isinstance(first[0], (str, PurePath)):
+                if os.path.exists(first[0]):
+                    paths.update((os.fspath(v[0]), None) for v in value if isinstance(v, (list, tuple)) and v
+                                 and isinstance(v[0], (str, PurePath)))
+            elif isinstance(first, (str, PurePath)) and os.path.exists(first):
                 paths.update((os.fspath(v), None) for v in value if isinstance(v, (str, PurePath)))
-        elif depth < 2 and _is_dataset(first):
-            for inner in value:
-                if _is_dataset(inner):
-                    paths.update((p, None) for p in discover_files(inner, depth + 1))
-    if depth < 2:
-        for value in state.values():
-            if _is_dataset(value) and value is not source:
-                paths.update((p, None) for p in discover_files(value, depth + 1))
     return list(paths)
 
 
@@ -549,8 +540,9 @@ def _safe_len(obj: Any) -> int | str:
 
 
 def _is_dataset(obj: Any) -> bool:
+    # _array_nbytes first: it tells a tensor without copying it off its device
     return hasattr(type(obj), "__getitem__") and hasattr(type(obj), "__len__") and not isinstance(
-        obj, (str, bytes, list, tuple, dict, np.ndarray)) and _as_array(obj) is None
+        obj, (str, bytes, list, tuple, dict, np.ndarray)) and _array_nbytes(obj) is None and _as_array(obj) is None
 
 
 def files_component(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
@@ -578,15 +570,40 @@ def files_component(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the fingerprint
 
 
-def _sources(source: Any, depth: int = 0) -> list[Any]:
-    """The source and the datasets it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), two levels deep."""
-    out = [source]
-    if depth < 2:
-        for value in (_state(source) or {}).values():
-            for item in (value[:16] if isinstance(value, (list, tuple)) else [value]):
-                if _is_dataset(item) and item is not source:
-                    out += _sources(item, depth + 1)
+def _sources(source: Any) -> list[Any]:
+    """The source and every dataset it wraps, at any depth, each once, depth first in attribute order.
+
+    Wrapped datasets are attributes that are datasets, or lists, tuples or dict values of them
+    (``Subset.dataset``, ``ConcatDataset.datasets``). Every member counts: the samples a 17th shard
+    or a third wrapper holds in memory decide what is cached as much as the first one's. Iterative,
+    with a visited set: a deep or shared (diamond) graph costs one visit per dataset.
+    """
+    out: list[Any] = []
+    seen: set[int] = set()
+    stack = [source]
+    while stack:
+        ds = stack.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        out.append(ds)
+        inner: list[Any] = []
+        for value in (_state(ds) or {}).values():
+            items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (
+                value,)
+            kinds = _dataset_kinds(items)  # by type first: Subset.indices may hold millions of ints
+            if kinds:
+                inner += [v for v in items if type(v) in kinds and _is_dataset(v)]
+        stack += reversed(inner)  # popped in attribute order
     return out
+
+
+def _dataset_kinds(items: Iterable[Any]) -> set[type]:
+    """The types among ``items`` whose instances may be datasets: sized and indexable, not a
+    container, an array or a tensor (``set(map(type, ...))`` runs at C speed)."""
+    return {k for k in set(map(type, items)) if hasattr(k, "__getitem__") and hasattr(k, "__len__")
+            and not issubclass(k, (str, bytes, list, tuple, dict, np.ndarray))
+            and not (k.__module__.startswith("torch") and hasattr(k, "element_size"))}
 
 
 def _user_classes(cls: type) -> list[type]:
@@ -616,8 +633,11 @@ def code_component(transform: Callable[[Any], Any], source: Any, canon: Canon) -
             for name in ("__init__", "source"):
                 for fn in _functions_of(vars(cls).get(name)):
                     canon.bound(fn, owner)  # listed in canon.code under its qualified name
+    classes: set[type] = set()
     for k, ds in enumerate(_sources(source)):
-        roots[f"source class {_qualname(type(ds))}" + (f" #{k}" if k else "")] = canon.klass(type(ds))
+        if type(ds) not in classes:  # one root per class: 1,000 shards of one class are one code
+            classes.add(type(ds))
+            roots[f"source class {_qualname(type(ds))}" + (f" #{k}" if k else "")] = canon.klass(type(ds))
     return {**roots, **dict(sorted(canon.code.items()))}
 
 
@@ -777,6 +797,10 @@ def _describe(name: str, old: Any, new: Any) -> str:
         diff = sorted(int(k) for k in a.keys() & b.keys() if a[k] != b[k])
         if diff:
             return f"static outputs of probe samples {', '.join(map(str, diff))} changed"
+        if old.get("spec") == new.get("spec") and a.keys() != b.keys():
+            # Probes are spread over the length: a new length samples other indices, which says
+            # nothing about the outputs (the source's phrase gives the length).
+            return "the probe samples moved to other indices (those probed both times are unchanged)"
         return "static outputs of the probe samples changed (structure, dtype or shape)"
     return f"{name} changed"
 

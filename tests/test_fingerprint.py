@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import CountingDataset
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from lightning_fastdata import OptimizedDataModule
 from lightning_fastdata import augment as A
@@ -219,6 +219,57 @@ def test_samples_held_in_memory_by_the_source_enter_the_fingerprint(tmp_path):
     assert "probe" not in _messages(record)[0]
     edited.setup("fit")
     assert edited.stores["train"].fields[0][5].tolist() == [0] * 6
+
+
+class _Wrapped(OptimizedDataModule):
+    """Labels loaded in ``source()`` from a file, held by TensorDataset shards in a ConcatDataset,
+    as 20 shards or as 4 shards under two Subsets (three wrappers deep)."""
+
+    def __init__(self, path: str, layout: str, **kwargs) -> None:
+        super().__init__(progress=False, device="cpu", **kwargs)
+        self.path, self.layout = path, layout
+
+    def source(self, split):
+        if split != "train":
+            return None
+        y = torch.from_numpy(np.load(self.path))
+        x = torch.arange(len(y) * 3, dtype=torch.float32).reshape(len(y), 3)
+        k = 20 if self.layout == "20 shards" else 4
+        per = len(y) // k
+        concat = ConcatDataset([TensorDataset(x[i * per:(i + 1) * per], y[i * per:(i + 1) * per]) for i in range(k)])
+        if self.layout == "20 shards":
+            return concat
+        return Subset(Subset(concat, list(range(len(y)))), list(range(len(y))))
+
+
+@pytest.mark.parametrize("layout", ["20 shards", "3 deep"])
+def test_in_memory_samples_of_every_wrapped_dataset_enter_the_fingerprint(layout, tmp_path):
+    """Only the labels of the first 16 members, two wrappers deep, were hashed: a label changed
+    at sample 185 of 200 (not a probe) in the 20th shard, or under Subset(Subset(ConcatDataset)),
+    reused the cache and served the old label."""
+    data, cache = tmp_path / "labels.npy", str(tmp_path / "cache")
+    y = np.arange(200) % 5
+    np.save(data, y)
+    _Wrapped(str(data), layout, cache_dir=cache).prepare_data()
+    y[185] = 4 - y[185]
+    np.save(data, y)
+    edited = _Wrapped(str(data), layout, cache_dir=cache)
+    with pytest.warns(UserWarning, match=r"fingerprint differs.*source changed \(its attributes differ\)"):
+        edited.prepare_data()
+    edited.setup("fit")
+    assert int(edited.stores["train"].fields[1][185]) == y[185]
+
+
+def test_a_new_length_says_the_probes_moved_not_that_outputs_changed(cache_dir):
+    """40 -> 48 samples moves the probe indices; the one probed both times (0) is unchanged. The
+    warning said "static outputs of the probe samples changed (structure, dtype or shape)"."""
+    Counting(n=40, cache_dir=str(cache_dir)).prepare_data()
+    with pytest.warns(UserWarning, match="fingerprint differs") as record:
+        Counting(n=48, cache_dir=str(cache_dir)).prepare_data()
+    message = _messages(record)[0]
+    assert "source changed (len 40 -> 48); the probe samples moved to other indices (those probed both times are " \
+           "unchanged)" in message
+    assert "structure, dtype or shape" not in message and "static outputs" not in message
 
 
 _STABLE = """
@@ -447,6 +498,9 @@ def test_discover_files_on_imagefolder_subset_and_lists(tmp_path):
 
     assert discover_files(Paths()) == [str(p) for p in sorted(tmp_path.glob("c0/*.bmp"))]
     assert discover_files(CountingDataset(3)) == []
+    # three wrappers deep (and the 17th member of a ConcatDataset): searched only two levels deep before
+    deep = Subset(Subset(ConcatDataset([CountingDataset(1)] * 16 + [folder]), [0]), [0])
+    assert discover_files(deep) == expected
 
 
 # --------------------------------------------------------------------------- random sources
