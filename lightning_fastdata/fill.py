@@ -29,10 +29,8 @@ from lightning_fastdata._util import fmt_bytes
 from lightning_fastdata.structure import (
     FieldInfo,
     StoreError,
-    UnstorableSampleError,
-    check_like,
     container_paths,
-    flatten,
+    flatten_like,
     ragged_info,
     read_sample,
     sample_name,
@@ -303,9 +301,9 @@ class _FillChunks(torch.utils.data.Dataset):
     see above), so no sample crosses a pipe.
     """
 
-    def __init__(self, dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo],
+    def __init__(self, dataset: Any, transform: Callable, tmp: Path, spec: dict, infos: list[FieldInfo],
                  chunks: list[tuple[int, int]], layout: Layout) -> None:
-        self.dataset, self.transform, self.tmp, self.infos = dataset, transform, tmp, infos
+        self.dataset, self.transform, self.tmp, self.spec, self.infos = dataset, transform, tmp, spec, infos
         self.chunks, self.layout = chunks, layout
         self._arrays: list[dict[str, np.ndarray]] | None = None
 
@@ -337,8 +335,7 @@ class _FillChunks(torch.utils.data.Dataset):
             for i in range(a, b):
                 # The user's code: its errors (an ENOSPC on its own scratch file too) propagate as
                 # they are, with a note naming the sample.
-                _, leaves = flatten(read_sample(self.dataset, self.transform, i), i)
-                check_like(self.infos, leaves, i)
+                leaves = flatten_like(self.spec, self.infos, read_sample(self.dataset, self.transform, i), i)
                 self.layout.check_aligned(self.infos, leaves, i)
                 for k, (info, (_, value)) in enumerate(zip(self.infos, leaves, strict=True)):
                     arrays = self._arrays[k]
@@ -369,9 +366,11 @@ class _FillChunks(torch.utils.data.Dataset):
         return b - a
 
 
-def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n: int, layout: Layout,
+def fill(dataset: Any, transform: Callable, tmp: Path, spec: dict, infos: list[FieldInfo], n: int, layout: Layout,
           workers: int, desc: str, progress: bool, no_room: Callable[[], StoreError], split: str = "") -> int:
     """Fill every row; returns the number of chunks (a ragged field has one part file per chunk).
+
+    ``spec`` and ``infos`` are sample 0's structure and fields, which every sample must match.
 
     A build worker that dies (the out-of-memory killer) is a :class:`StoreError` naming
     ``split``, the samples in flight and the fix.
@@ -380,7 +379,7 @@ def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n
 
     chunk = max(1, min(256, math.ceil(n / max(1, workers * 8))))
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-    filler = _FillChunks(dataset, transform, tmp, infos, chunks, layout)
+    filler = _FillChunks(dataset, transform, tmp, spec, infos, chunks, layout)
     loader = None
     try:
         with tqdm(total=n, desc=desc, unit="sample", disable=not progress, leave=False) as bar:
@@ -402,8 +401,9 @@ def fill(dataset: Any, transform: Callable, tmp: Path, infos: list[FieldInfo], n
                         kind, _, message = done.partition(":")
                         if kind == _NO_ROOM:
                             raise no_room()
-                        raise (UnstorableSampleError if kind == UnstorableSampleError.__name__ else StoreError)(
-                            message)
+                        # Sample 0 was stored, so no later sample makes the split unstorable by design
+                        # (see flatten_like): every refusal is a StoreError.
+                        raise StoreError(message)
                     bar.update(int(done))
                     c += 1
             except RuntimeError as e:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from lightning_fastdata import fingerprint as F
 from lightning_fastdata import locks
@@ -63,8 +64,8 @@ from lightning_fastdata.structure import (  # the sample structure; its public n
     FieldInfo,
     StoreError,
     UnstorableSampleError,  # noqa: F401
-    check_like,
     flatten,
+    flatten_like,
     read_sample,
     signature,
     unflatten,  # noqa: F401
@@ -198,14 +199,14 @@ def _probe(dataset: Any, transform: Callable[[Any], Any], n: int, probes: int, l
     t0 = time.perf_counter()
     idx = F.probe_indices(n, probes)
     for i in idx:
-        s, leaves = flatten(read_sample(dataset, transform, i), i)
-        if not leaves:
-            raise StoreError(f"sample {i} has nothing to store (got {s!r}): the source, or static_transform, "
-                             "must return a tensor, an ndarray, a number, or a tuple/list/dict holding at least one")
-        if not infos:
+        if infos:  # a later sample: unstorable or unlike sample 0 is an error (see flatten_like)
+            leaves = flatten_like(spec, infos, read_sample(dataset, transform, i), i)
+        else:  # sample 0: unstorable means the split is loaded per sample (UnstorableSampleError)
+            s, leaves = flatten(read_sample(dataset, transform, i), i)
+            if not leaves:
+                raise StoreError(f"sample {i} has nothing to store (got {s!r}): the source, or static_transform, must "
+                                 "return a tensor, an ndarray, a number, or a tuple/list/dict holding at least one")
             spec, infos = s, layout.apply(with_kinds(signature(leaves), s), s)
-        else:
-            check_like(infos, leaves, i)
         layout.check_aligned(infos, leaves, i)
         digests[i] = F.leaf_digests(leaves)
         for k, (info, (_, value)) in enumerate(zip(infos, leaves, strict=True)):
@@ -221,7 +222,8 @@ def _check_deterministic(dataset: Any, transform: Callable[[Any], Any], probe: _
     """Read every probe index a second time; warn once if any field's bytes differ."""
     names = [i.name for i in probe.infos]
     for i, first in probe.digests.items():
-        _, leaves = flatten(read_sample(dataset, transform, i), i)
+        # In sample 0's dict key order, as the probe read it (a random order is no randomness of values)
+        _, leaves = flatten(read_sample(dataset, transform, i), i, like=probe.spec)
         second = F.leaf_digests(leaves)
         for k, (a, b) in enumerate(zip(first, second, strict=False)):
             if a != b:
@@ -663,7 +665,7 @@ def build_store(
     estimated work).
 
     Args:
-        dataset: A map-style dataset (``__len__`` and ``__getitem__``).
+        dataset: A map-style dataset (``__len__`` and ``__getitem__``; an IterableDataset is refused).
         transform: The static, deterministic per-sample transform.
         cache_dir: Directory for caches (created 0700 if missing; never a symlink).
         name: The split's name, part of the cache's directory name.
@@ -701,11 +703,21 @@ def build_store(
         StoreError: for an empty dataset, samples that cannot form one store, a full
             disk, or a dead lock holder; the message names the culprit and the fix.
             Nothing half-written is left.
+        UnstorableSampleError: (a StoreError) when sample 0 holds a leaf with no array
+            form (a str, None): the caller may load the split per sample. The same in a
+            later sample only is a plain StoreError.
     """
     warn = warn or _warn
     layout = Layout.of(ragged, encode, jpeg_quality, max_side)
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("."):
         raise StoreError(f"split name {name!r} must be letters, digits, '_', '-' or '.' (it names a directory)")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        # Its __len__ (if any) says nothing of indexing: dataset[0] would fail inside the probe,
+        # in torch's words, naming no split.
+        raise StoreError(f"source('{name}') returned {type(dataset).__name__}, an IterableDataset; a store reads "
+                         "samples by index, so a map-style Dataset (__len__ and __getitem__) is required: return "
+                         "one from source(), e.g. a Dataset indexing the files or records the stream reads (or the "
+                         "stream's samples in a list, when they fit in memory)")
     try:
         n = len(dataset)
     except TypeError as e:
@@ -879,8 +891,8 @@ def _build(dataset: Any, transform: Callable, root: Path, final: Path, name: str
         )
         # Not inside _full_disk: the static transform's own ENOSPC (its scratch file) is the
         # user's error, reported as such; fill converts only its own writes.
-        chunks = fill(dataset, transform, tmp, infos, n, layout, workers, f"fastdata: caching '{name}'", progress,
-                      lambda: no_room(name, root, free, n, infos, written=_written(tmp)), split=name)
+        chunks = fill(dataset, transform, tmp, probe.spec, infos, n, layout, workers, f"fastdata: caching '{name}'",
+                      progress, lambda: no_room(name, root, free, n, infos, written=_written(tmp)), split=name)
         with _full_disk(name, root, free, n, infos, tmp):
             for k, info in enumerate(infos):
                 if info.ragged:

@@ -31,12 +31,23 @@ class StoreError(ValueError):
 
 
 class UnstorableSampleError(StoreError):
-    """A sample holds a leaf that has no array form (str, None, ...)."""
+    """A sample holds a leaf that has no array form (str, None, ...).
+
+    Attributes:
+        path: The leaf's field name.
+        got: What the leaf is, in words ("None", "a str").
+    """
+
+    def __init__(self, message: str, path: str = "", got: str = "") -> None:
+        super().__init__(message)
+        self.path, self.got = path, got
 
 
 #: ndarray dtype kinds numpy stores but torch cannot hold: refused while the store is probed,
 #: before anything is written (torch would refuse them only when the store is placed).
-_AS_STR = "return a Python str instead (such a field is kept per sample, not stored), or drop the field"
+_AS_STR = ("to keep the cache, drop the field from static_transform's output, or map each value to an integer "
+           "(e.g. an index into a list of names kept on the data module); a Python str instead is not stored, and "
+           "the whole split is then loaded per sample, without the cache")
 _NO_TENSOR = {  # dtype kind: (what it holds, the fix)
     "U": ("strings", _AS_STR),
     "S": ("bytes strings", _AS_STR),
@@ -59,7 +70,7 @@ def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
         return value.detach().cpu().numpy()
     if isinstance(value, np.ndarray):
         if value.dtype == object:
-            raise UnstorableSampleError(f"{where} is an object-dtype ndarray")
+            raise UnstorableSampleError(f"{where} is an object-dtype ndarray", path, "an object-dtype ndarray")
         if value.dtype.kind in _NO_TENSOR:
             what, fix = _NO_TENSOR[value.dtype.kind]
             raise StoreError(f"{where} is an ndarray of dtype {value.dtype} ({what}), which no torch tensor "
@@ -86,9 +97,8 @@ def _leaf_array(value: Any, index: int, path: str) -> np.ndarray:
             f"{where} is a PIL image ({type(value).__name__}); convert it in static_transform, "
             "e.g. torchvision.transforms.functional.pil_to_tensor(image) for uint8 CHW"
         )
-    raise UnstorableSampleError(
-        f"{where} is a {type(value).__name__}; only tensors, ndarrays and numbers can be stored"
-    )
+    got = "None" if value is None else f"a {type(value).__name__}"
+    raise UnstorableSampleError(f"{where} is {got}; only tensors, ndarrays and numbers can be stored", path, got)
 
 
 def _tv_kind(value: Any) -> str | None:
@@ -134,27 +144,38 @@ def read_sample(dataset: Any, transform: Callable[[Any], Any], index: int) -> An
         raise
 
 
-def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarray]]]:
+def flatten(sample: Any, index: int = 0, like: dict | None = None) -> tuple[dict, list[tuple[str, np.ndarray]]]:
     """Flatten a sample into ``(spec, [(path, array), ...])`` in a fixed leaf order.
 
     A leaf that is a torchvision ``tv_tensors`` instance records its kind in the spec
     (``"tv": "image" | "mask" | "other"``), see :func:`field_kinds`. A
     :class:`~lightning_fastdata.ragged.RaggedArray` (a whole ragged field, as
-    :meth:`Store.from_arrays` takes) is one leaf, kept as it is.
+    :meth:`Store.from_arrays` takes) is one leaf, kept as it is. ``like``, the spec of
+    sample 0: a dict holding the same keys in another order is walked in ``like``'s order
+    (as ``default_collate`` collates by the first sample's keys).
     """
     leaves: list[tuple[str, np.ndarray]] = []
 
-    def walk(node: Any, path: str) -> dict:
+    def walk(node: Any, path: str, like: dict | None) -> dict:
         if isinstance(node, (tuple, list)):
             kind = "tuple" if isinstance(node, tuple) else "list"
-            items = [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+            fits = like is not None and like["kind"] in ("tuple", "list") and len(like["items"]) == len(node)
+            subs = like["items"] if fits else [None] * len(node)  # type: ignore[index]
+            items = [walk(v, f"{path}.{i}" if path else str(i), sub)
+                     for i, (v, sub) in enumerate(zip(node, subs, strict=True))]
             return tuple_spec(node, {"kind": kind, "items": items})
         if isinstance(node, dict):
             keys = list(node)
             for k in keys:
-                if not isinstance(k, str):
-                    raise StoreError(f"sample {index} has a dict key {k!r}; keys must be str")
-            items = [walk(node[k], f"{path}.{k}" if path else k) for k in keys]
+                # str or int: a JSON list of keys in the manifest gives both back as they were
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise StoreError(f"sample {index} has the dict key {k!r} ({type(k).__name__}) at "
+                                     f"{repr(path) if path else 'the top'}; a stored dict's keys must be str or int: "
+                                     "convert them in static_transform (e.g. {str(k): v for k, v in d.items()})")
+            subs = [None] * len(keys)
+            if like is not None and like["kind"] == "dict" and set(like["keys"]) == set(keys):
+                keys, subs = list(like["keys"]), like["items"]
+            items = [walk(node[k], f"{path}.{k}" if path else str(k), sub) for k, sub in zip(keys, subs, strict=True)]
             return {"kind": "dict", "keys": keys, "items": items}
         if isinstance(node, RaggedArray):
             leaves.append((path or "0", node))  # type: ignore[arg-type]
@@ -169,9 +190,50 @@ def flatten(sample: Any, index: int = 0) -> tuple[dict, list[tuple[str, np.ndarr
             leaf["tv"] = tv
         return leaf
 
-    spec = walk(sample, "")
+    spec = walk(sample, "", like)
     unique_names([p for p, _ in leaves], f"sample {index}")
     return spec, leaves
+
+
+def flatten_like(spec: dict, infos: list[FieldInfo], sample: Any, index: int) -> list[tuple[str, np.ndarray]]:
+    """The leaves of a later sample, checked against sample 0's ``spec`` and fields (see :func:`check_like`).
+
+    Sample 0 was storable, so a leaf here that cannot be stored (None, a str) contradicts it: a
+    :class:`StoreError`, not a reason to load the split per sample, which would fail only
+    mid-epoch, in collate, naming no sample.
+    """
+    try:
+        _, leaves = flatten(sample, index, like=spec)
+    except UnstorableSampleError as e:
+        raise StoreError(
+            f"sample {index}, field '{e.path}' is {e.got}, sample 0 has {_described(spec, infos, e.path)} there; "
+            "make static_transform return the same structure, with a tensor, ndarray or number of one dtype at each "
+            "field, for every sample (e.g. -1 for a missing label, or drop the field)"
+        ) from None
+    check_like(infos, leaves, index)
+    return leaves
+
+
+def _described(spec: dict, infos: list[FieldInfo], path: str) -> str:
+    """What sample 0 holds at field ``path``, in words."""
+    kinds = {"tensor": "a tensor", "ndarray": "an ndarray", "number": "a number", "ragged": "a ragged array"}
+    types: dict[int, str] = {}
+
+    def walk(node: dict) -> None:
+        if node["kind"] == "leaf":
+            types[node["field"]] = kinds.get(node.get("type", ""), "a value")
+        else:
+            for item in node["items"]:
+                walk(item)
+
+    walk(spec)
+    for k, info in enumerate(infos):
+        if info.name == path:
+            shape = ", ragged" if info.ragged else "" if types.get(k) == "a number" else f", shape {info.shape}"
+            return f"{types.get(k, 'a value')} (dtype {np.dtype(info.dtype)}{shape})"
+    if path in container_paths(spec):
+        return "a list, tuple or dict"
+    return "no such field"
 
 
 def tuple_spec(node: tuple | list, spec: dict) -> dict:
@@ -186,13 +248,15 @@ def tuple_spec(node: tuple | list, spec: dict) -> dict:
 
 def unique_names(names: Sequence[str], where: str) -> None:
     """Refuse two fields of one name: a dict key with a dot (``{"a.b": x}``) is named as the
-    nested ``{"a": {"b": y}}`` is, and one field would silently stand for both."""
+    nested ``{"a": {"b": y}}`` is (an int key as the same str key), and one field would
+    silently stand for both."""
     seen: set[str] = set()
     for name in names:
         if name in seen:
             raise StoreError(
                 f"{where} has two fields named '{name}': a dict key containing '.' is named like a nested "
-                f"path (fields are named by their path, parts joined by '.'); rename the key (e.g. with '_')")
+                f"path, and an int key like the same str key (fields are named by their path, parts joined by "
+                f"'.'); rename the key (e.g. with '_')")
         seen.add(name)
 
 

@@ -840,3 +840,30 @@ def test_a_manifest_that_is_a_directory_is_an_invalid_cache_and_rebuilt(cache_di
     with pytest.warns(UserWarning, match=r"rebuilding the 'train' cache: .*manifest\.json cannot be read"):
         again = build_store(CountingDataset(10), lambda s: s, cache_dir, progress=False)
     assert again.path == built.path and len(open_store(again.path, verify=True)) == 10
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """An IterableDataset that also has a length."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __iter__(self):
+        return iter(torch.zeros(5, 2))
+
+
+def test_an_iterable_dataset_with_a_len_is_refused_up_front_naming_the_split(cache_dir):
+    """It passed the len() check and failed in torch's words ("Subclasses of Dataset should
+    implement __getitem__"), noted "raised while caching sample 0"."""
+    from lightning_fastdata import OptimizedDataModule
+
+    class DM(OptimizedDataModule):
+        def source(self, split: str):
+            return _Stream() if split == "val" else None
+
+    want = r"source\('val'\) returned _Stream, an IterableDataset; .*a map-style Dataset .* is required: return one"
+    with pytest.raises(StoreError, match=want):
+        DM(cache_dir=str(cache_dir), device="cpu", progress=False).prepare_data()
+    with pytest.raises(StoreError, match=want):
+        build_store(_Stream(), lambda s: s, cache_dir / "direct", name="val", progress=False)
+    assert not [p for p in cache_dir.rglob("*") if p.is_file()]

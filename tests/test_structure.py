@@ -110,8 +110,8 @@ def test_a_dotted_dict_key_that_names_a_nested_field_is_refused(cache_dir):
 
 
 @pytest.mark.parametrize("value,what,fix", [
-    (np.array("img_0001.png"), "strings", "return a Python str"),
-    (np.array(b"abc"), "bytes strings", "return a Python str"),
+    (np.array("img_0001.png"), "strings", "drop the field"),
+    (np.array(b"abc"), "bytes strings", "drop the field"),
     (np.array("2024-01-02", dtype="datetime64[D]"), "datetimes", "astype"),
     (np.array(5, dtype="timedelta64[s]"), "time deltas", "astype"),
     (np.zeros(2, dtype=[("x", "f4"), ("y", "i4")]), "a structured record", "each of its fields"),
@@ -123,3 +123,103 @@ def test_ndarrays_torch_cannot_hold_are_refused_naming_the_field_before_writing(
     assert not list(cache_dir.glob("train-*"))  # no cache that every later run would trip on
 
 
+
+
+def test_the_advice_for_a_numpy_string_field_says_a_str_loses_the_cache_and_how_to_keep_it(cache_dir):
+    """It said "return a Python str instead (such a field is kept per sample, not stored)": doing
+    that sent the whole split to per-sample loading, without the cache."""
+    with pytest.raises(StoreError) as err:
+        build_store(Items(3, lambda i: {"image": torch.zeros(2), "name": np.array(f"img_{i}.png")}), lambda s: s,
+                    cache_dir, progress=False)
+    msg = str(err.value)
+    assert "kept per sample, not stored" not in msg
+    assert "the whole split is then loaded per sample, without the cache" in msg
+    assert "drop the field from static_transform's output" in msg and "map each value to an integer" in msg
+
+
+class _Late(Dataset):
+    """300 samples ``(image, label)``; sample 151's label is ``late``."""
+
+    def __init__(self, late) -> None:
+        self.late = late
+
+    def __len__(self) -> int:
+        return 300
+
+    def __getitem__(self, i: int):
+        return torch.full((3, 4, 4), i % 256, dtype=torch.uint8), (self.late if i == 151 else i)
+
+
+def _left(cache_dir) -> list[str]:
+    """What a failed build left in cache_dir: anything but the empty namespace directories."""
+    return [str(p) for p in cache_dir.rglob("*") if not p.is_dir() or any(p.iterdir())]
+
+
+@pytest.mark.parametrize("late,got", [(None, "None"), ("x", "a str"), (np.array([object()]), "an object-dtype")])
+def test_a_later_sample_that_cannot_be_stored_is_an_error_not_a_per_sample_fallback(cache_dir, late, got):
+    """Sample 0 stored, sample 151 None: the split used to be loaded per sample ("cannot be
+    stored"), which crashed mid-epoch in collate ("Could not infer dtype of NoneType")."""
+    from lightning_fastdata import OptimizedDataModule
+
+    class DM(OptimizedDataModule):
+        def source(self, split: str):
+            return _Late(late) if split == "train" else None
+
+    dm = DM(batch_size=16, cache_dir=str(cache_dir), device="cpu", num_workers=0, progress=False)
+    want = rf"sample 151, field '1' is {got}.*, sample 0 has a number \(dtype int64\) there; make static_transform "
+    with pytest.raises(StoreError, match=want):
+        dm.prepare_data()
+    assert dm.stores == {} and _left(cache_dir) == []  # nothing half-written, no lock file
+    with pytest.raises(StoreError, match=want):  # the same from build workers
+        build_store(_Late(late), lambda s: s, cache_dir / "w", num_workers=2, progress=False)
+    assert _left(cache_dir) == []
+
+
+def _keyed(i: int) -> dict:
+    image = torch.full((3, 2, 2), i, dtype=torch.uint8)
+    return {"image": image, "label": i} if i % 3 else {"label": i, "image": image}
+
+
+@pytest.mark.parametrize("strategy", ["device", "workers"])
+def test_dicts_with_the_same_keys_in_another_order_are_stored_in_sample_0s_order(cache_dir, strategy):
+    """default_collate accepts them; the store refused them ("sample 1 has fields ['image',
+    'label'], sample 0 has ['label', 'image']")."""
+    from lightning_fastdata import OptimizedDataModule
+
+    class DM(OptimizedDataModule):
+        def source(self, split: str):
+            return Items(10, _keyed) if split == "train" else None
+
+    for _ in range(2):  # built, then reopened from the cache
+        dm = DM(batch_size=4, cache_dir=str(cache_dir), device="cpu", strategy=strategy, num_workers=0,
+                shuffle=False, progress=False)
+        dm.setup("fit")
+        try:
+            batches = [dm.augment_batch(b) for b in dm.train_dataloader()]
+        finally:
+            dm.teardown("fit")
+        assert all(list(b) == ["label", "image"] for b in batches)
+        assert torch.equal(torch.cat([b["label"] for b in batches]), torch.arange(10))
+        assert torch.equal(torch.cat([b["image"][:, 0, 0, 0] for b in batches]), torch.arange(10, dtype=torch.uint8))
+
+
+def test_int_dict_keys_are_stored_and_come_back_as_ints(cache_dir):
+    """``{0: image, 1: label}`` was refused with "keys must be str", naming no fix."""
+    from lightning_fastdata import OptimizedDataModule
+
+    class DM(OptimizedDataModule):
+        def source(self, split: str):
+            return Items(6, lambda i: {0: torch.full((2,), i), 1: i}) if split == "train" else None
+
+    for _ in range(2):  # built, then reopened from the cache (the keys come back from its manifest)
+        dm = DM(batch_size=3, cache_dir=str(cache_dir), device="cpu", num_workers=0, shuffle=False, progress=False)
+        dm.setup("fit")
+        try:
+            batches = [dm.augment_batch(b) for b in dm.train_dataloader()]
+        finally:
+            dm.teardown("fit")
+        assert [list(b) for b in batches] == [[0, 1], [0, 1]]
+        assert torch.equal(torch.cat([b[1] for b in batches]), torch.arange(6))
+    with pytest.raises(StoreError, match=r"sample 0 has the dict key \('a', 1\) \(tuple\) at the top; a stored "
+                                         r"dict's keys must be str or int: convert them in static_transform"):
+        build_store(Items(3, lambda i: {("a", 1): torch.zeros(2)}), lambda s: s, cache_dir / "t", progress=False)
