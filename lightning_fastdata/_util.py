@@ -1,4 +1,5 @@
-"""Small helpers every layer uses: sizes as text, batch length, process liveness, atomic files.
+"""Small helpers every layer uses: plain numbers from numpy ones, sizes as text, batch length,
+process liveness, atomic files.
 
 This module imports nothing from the package, so any module may import it.
 """
@@ -7,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
+import operator
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def fmt_bytes(n: float) -> str:
@@ -20,6 +25,29 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as a plain int when it is an integer (a Python or numpy one, as ``np.arange``, a
+    pandas row or a sweep gives), else None: a bool, a float and a string ("4") included. Plain,
+    so that hparams, reprs and YAML show ``64``, not ``np.int64(64)``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
+
+
+def as_float(value: Any) -> float | None:
+    """``value`` as a plain float when it is a real number (ints and numpy ones included), else
+    None: a bool (``True`` is no fraction) and a string included."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def as_flag(value: Any) -> bool | None:
+    """``value`` as a plain bool when it is True or False (numpy's ``np.bool_`` included), else None:
+    ``bool()`` read the string "False" as True, and 0 or 1 are no flags."""
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
 
 
 def batch_len(batch: Any) -> int:

@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_fastdata import _lightning as door
+from lightning_fastdata._util import as_flag
 from lightning_fastdata.profiler import FALLBACK_HOOKS, UNUSED_STEP_HOOKS, DataWaitProfiler
 from lightning_fastdata.report import loader_info
 from lightning_fastdata.seeding import (
@@ -74,10 +75,12 @@ class FastDataCallback(Callback):
                  trace_steps: tuple[int, int] = (5, 20), clock: Callable[[], float] = time.perf_counter) -> None:
         self.profiler = DataWaitProfiler(clock=clock, replay_steps=replay_steps, replay_batches=replay_batches,
                                          print_report=print_report, trace=trace, trace_steps=trace_steps)
-        for name, value in (("profile", profile), ("set_epoch", set_epoch), ("log_memory", log_memory),
-                            ("seed_workers", seed_workers)):
-            if not isinstance(value, bool):
+        flags = {"profile": profile, "set_epoch": set_epoch, "log_memory": log_memory, "seed_workers": seed_workers}
+        for name, value in flags.items():
+            flags[name] = as_flag(value)  # numpy's bool too, kept as a plain one
+            if flags[name] is None:
                 raise ValueError(f"{name} must be True or False, got {value!r}")
+        profile, set_epoch, log_memory, seed_workers = (flags[name] for name in flags)
         if trace is not None and not profile:
             # The profiler takes the trace: with profile=False nothing would ever be written.
             raise ValueError(f"trace={trace!r} needs profile=True (the profiler records the traced steps): set "

@@ -36,6 +36,7 @@ from lightning_fastdata._lightning import (
     quiet_shared_hook_warnings,
     training_steps_in_flight,
 )
+from lightning_fastdata._util import as_flag, as_int
 from lightning_fastdata.augment import Batch, BatchTransform, starts_with_crop
 from lightning_fastdata.decode import decode_jpegs
 from lightning_fastdata.encode import check_settings
@@ -62,7 +63,7 @@ from lightning_fastdata.placement import (
     Sharing,
     place,
 )
-from lightning_fastdata.plan import STRATEGIES, Plan, PlanError, decide, probe_resources
+from lightning_fastdata.plan import Plan, PlanError, auto_flag, check_config, decide, probe_resources
 from lightning_fastdata.ragged import RaggedArray, RaggedBatch
 from lightning_fastdata.seeding import WorkerSeeding
 from lightning_fastdata.store import Store, build_store
@@ -111,16 +112,24 @@ def default_cache_dir() -> str:
     return os.environ.get("LIGHTNING_FASTDATA_CACHE", str(Path.home() / ".cache" / "lightning_fastdata"))
 
 
-def _check_auto_int(name: str, value: Any, minimum: int) -> None:
-    if value == _AUTO:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be 'auto' or an int >= {minimum}, got {value!r}")
+def _checked_int(name: str, value: Any, low: int, high: float, must: str) -> int:
+    """``value`` as a plain int in ``[low, high)`` (numpy integers too: sweeps give them), else a
+    ValueError saying what ``name`` must be."""
+    number = as_int(value)
+    if number is None or not low <= number < high:
+        raise ValueError(f"{name} must be {must}, got {value!r}")
+    return number
 
 
-def _check_auto_bool(name: str, value: Any) -> None:
-    if value != _AUTO and not isinstance(value, bool):
-        raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+def _plain_int(value: Any) -> Any:
+    """A numpy integer as a plain int; anything else as given (for a check elsewhere to refuse by name)."""
+    number = as_int(value)
+    return value if number is None else number
+
+
+def _same_but_plain(given: Any, plain: Any) -> bool:
+    """Whether ``given`` is ``plain`` as a numpy scalar (saved hyperparameters then show the plain one)."""
+    return type(given) is not type(plain) and isinstance(given, np.generic) and bool(given == plain)
 
 
 class OptimizedDataModule(L.LightningDataModule):
@@ -157,12 +166,12 @@ class OptimizedDataModule(L.LightningDataModule):
             image and the rest ``other``).
         augment_field: Shorthand for ``field_kinds={augment_field: "image"}`` with every
             other field ``other``.
-        augment_ahead: With the ``device`` and ``chunked`` strategies, batches gathered and
-            augmented ahead of the training step in a background thread (on CUDA, on a side
-            stream): the next batch is ready when the step ends. 0 does that work in the
-            training loop's thread, between steps. ``"auto"``: 1 on CUDA; 0 on a CPU run, where
-            the thread competes with the training step for the same cores and the GIL
-            (measured on 2 cores, ``benchmarks/null_model_epoch.py``, four runs: a null-model
+        augment_ahead: With the ``device`` and ``chunked`` strategies, how many batches (an int
+            in [0, 4]) are gathered and augmented ahead of the training step in a background
+            thread (on CUDA, on a side stream): the next batch is ready when the step ends. 0 does
+            that work in the training loop's thread, between steps. ``"auto"``: 1 on CUDA; 0 on a
+            CPU run, where the thread competes with the training step for the same cores and the
+            GIL (measured on 2 cores, ``benchmarks/null_model_epoch.py``, four runs: a null-model
             epoch took 5.4-6.4x a free loader's with 1, 3.4-7.6x with 0; neither was ahead in
             every run).
         ragged: Fields whose shape may change from sample to sample (e.g. images of
@@ -222,32 +231,28 @@ class OptimizedDataModule(L.LightningDataModule):
         progress: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be an int > 0, got {batch_size!r}")
-        if eval_batch_size is not None and (isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int)
-                                            or eval_batch_size <= 0):
-            raise ValueError(f"eval_batch_size must be an int > 0 or None, got {eval_batch_size!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if not isinstance(vram_fraction, (int, float)) or not 0.0 < vram_fraction <= 1.0:
-            raise ValueError(f"vram_fraction must be in (0, 1], got {vram_fraction!r}; 0.6 keeps 40% for the model")
+        # Each value is kept as plain Python (numpy scalars from sweeps are welcome): hparams,
+        # repr and YAML show 64, not np.int64(64).
+        batch_size = _checked_int("batch_size", batch_size, 1, math.inf, "an int > 0")
+        if eval_batch_size is not None:
+            eval_batch_size = _checked_int("eval_batch_size", eval_batch_size, 1, math.inf, "an int > 0 or None")
+        # The plan's own checks (decide() runs them too), so both refuse and accept alike.
+        plan_settings = check_config({
+            "strategy": strategy, "vram_fraction": vram_fraction, "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor, "pin_memory": pin_memory, "persistent_workers": persistent_workers})
+        vram_fraction, num_workers = plan_settings["vram_fraction"], plan_settings["num_workers"]
+        prefetch_factor, pin_memory = plan_settings["prefetch_factor"], plan_settings["pin_memory"]
+        persistent_workers = plan_settings["persistent_workers"]
         if shared_memory not in ("auto", "on", "off"):
             raise ValueError(f"shared_memory must be 'auto', 'on' or 'off', got {shared_memory!r}")
-        if num_workers != "measure" and (num_workers != _AUTO and (isinstance(num_workers, bool) or
-                                                                  not isinstance(num_workers, int) or num_workers < 0)):
-            raise ValueError(f"num_workers must be 'auto', 'measure' or an int >= 0, got {num_workers!r}")
-        _check_auto_int("prefetch_factor", prefetch_factor, 1)
-        _check_auto_bool("pin_memory", pin_memory)
-        _check_auto_bool("persistent_workers", persistent_workers)
         if device is not None:
             try:
                 torch.device(device)
             except (RuntimeError, TypeError) as e:  # found at setup otherwise, after the caches are built
                 raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1' (None: the "
                                  f"Trainer's), got {device!r}") from e
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-            # Keys fold the seed modulo 2**64: seed 2**64 would replay seed 0's augmentation.
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        # Keys fold the seed modulo 2**64: seed 2**64 would replay seed 0's augmentation.
+        seed = _checked_int("seed", seed, 0, 1 << 64, "an int in [0, 2**64)")
         for name, aug in (("train_augment", train_augment), ("eval_augment", eval_augment)):
             if aug is not None and not callable(aug):
                 raise TypeError(f"{name} must be a callable transform (see lightning_fastdata.augment), "
@@ -258,20 +263,31 @@ class OptimizedDataModule(L.LightningDataModule):
             for name, kind in field_kinds.items():
                 if kind not in _KINDS:
                     raise ValueError(f"field_kinds[{name!r}] must be one of {_KINDS}, got {kind!r}")
-        if augment_ahead != _AUTO and (isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int)
-                                       or not 0 <= augment_ahead <= 4):
-            raise ValueError(f"augment_ahead must be 'auto' or an int in [0, 4], got {augment_ahead!r}")
-        for name, flag in (("cuda_graphs", cuda_graphs), ("shuffle", shuffle), ("drop_last", drop_last),
-                           ("store", store), ("progress", progress)):
-            if not isinstance(flag, bool):  # a string such as "False" would read as True
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
-        _check_auto_bool("keep_freed_memory", keep_freed_memory)
+        if not (isinstance(augment_ahead, str) and augment_ahead == _AUTO):
+            augment_ahead = _checked_int("augment_ahead", augment_ahead, 0, 5, "'auto' or an int in [0, 4]")
+        flags = {"cuda_graphs": cuda_graphs, "shuffle": shuffle, "drop_last": drop_last, "store": store,
+                 "progress": progress}
+        for name, value in flags.items():
+            flags[name] = as_flag(value)
+            if flags[name] is None:  # a string such as "False" would read as True
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        cuda_graphs, shuffle, drop_last = flags["cuda_graphs"], flags["shuffle"], flags["drop_last"]
+        store, progress = flags["store"], flags["progress"]
+        keep_freed_memory = auto_flag("keep_freed_memory", keep_freed_memory)
+        if augment_field is not None:
+            # A list or a number failed only in setup, after the caches were built ("unhashable type").
+            if not isinstance(augment_field, str):
+                raise TypeError(f"augment_field must be a field name (a str such as 'image') or None, got "
+                                f"{augment_field!r}")
+            if not augment_field:
+                raise ValueError("augment_field must be a field name such as 'image' (or None), got ''")
         if augment_field is not None and field_kinds is not None:
             raise ValueError("give field_kinds or augment_field, not both "
                              "(augment_field=X is field_kinds={X: 'image'})")
         if ragged is not None and (isinstance(ragged, str) or not isinstance(ragged, (list, tuple)) or not all(
                 isinstance(r, str) for r in ragged)):
             raise ValueError(f"ragged must be a list of field names, got {ragged!r}")
+        jpeg_quality, max_side = _plain_int(jpeg_quality), _plain_int(max_side)
         encode = check_settings(encode, jpeg_quality, max_side)
         masks = [name for name, kind in (field_kinds or {}).items() if kind == "mask" and name in encode]
         if masks:
@@ -289,7 +305,7 @@ class OptimizedDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self._eval_batch_size = eval_batch_size  # None: follows batch_size (see the property)
         self.strategy = strategy
-        self.vram_fraction = float(vram_fraction)
+        self.vram_fraction = vram_fraction
         self.cache_dir = os.path.expanduser(os.fspath(cache_dir or default_cache_dir()))  # YAML configs write ~
         self.cache_key = cache_key
         self.shared_memory = shared_memory
@@ -340,6 +356,16 @@ class OptimizedDataModule(L.LightningDataModule):
         # Ignored, not deep-copied into hparams (an augmentation holding a lock or a large tensor,
         # an nn.Module Lightning warns about); put back below as text.
         self.save_hyperparameters(ignore=["train_augment", "eval_augment"], logger=False)
+        # A subclass's own arguments (or its **kwargs) are saved as it got them: a numpy scalar it
+        # passed on is shown as the plain value checked above.
+        checked = {"batch_size": batch_size, "eval_batch_size": eval_batch_size, "vram_fraction": vram_fraction,
+                   "num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor,
+                   "persistent_workers": persistent_workers, "seed": seed, "augment_ahead": augment_ahead,
+                   "jpeg_quality": jpeg_quality, "max_side": max_side, "keep_freed_memory": keep_freed_memory, **flags}
+        for key, value in checked.items():
+            for saved in (self._hparams, self._hparams_initial):
+                if key in saved and _same_but_plain(saved[key], value):
+                    saved[key] = value
         try:
             given = given_hyperparameters() or {}
         except DoorClosed:  # a Lightning before the CLI saved its config: the text, as for Python
@@ -360,6 +386,8 @@ class OptimizedDataModule(L.LightningDataModule):
 
     @eval_batch_size.setter
     def eval_batch_size(self, value: int | None) -> None:
+        if value is not None:
+            value = _checked_int("eval_batch_size", value, 1, math.inf, "an int > 0 or None")
         self._eval_batch_size = value
         if hasattr(self, "_hparams"):  # saved with checkpoints (a tuned value); None: follows batch_size
             if value is None:

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from lightning_fastdata._util import as_int
+
 _MASK64 = (1 << 64) - 1
 #: splitmix64 constants, as unsigned integers (the reference) and as int64 (the tensors).
 GOLDEN = 0x9E3779B97F4A7C15
@@ -253,7 +255,8 @@ def fold_tensor(h: int | torch.Tensor, *parts: int | torch.Tensor) -> torch.Tens
     return z.reshape(())
 
 
-def _check_epoch(epoch: int | torch.Tensor, index: torch.Tensor) -> None:
+def _check_epoch(epoch: int | torch.Tensor, index: torch.Tensor) -> int | torch.Tensor:
+    """``epoch`` as a plain int (numpy integers too) or the 0-d integer tensor it is on the index's device."""
     if isinstance(epoch, torch.Tensor):
         if epoch.numel() != 1 or epoch.is_floating_point() or epoch.is_complex() or epoch.dtype == torch.bool:
             raise TypeError(f"SampleKeys epoch as a tensor must hold one integer, got a {epoch.dtype} tensor of "
@@ -261,8 +264,11 @@ def _check_epoch(epoch: int | torch.Tensor, index: torch.Tensor) -> None:
         if epoch.device != index.device:
             raise ValueError(f"SampleKeys epoch tensor is on {epoch.device}, the index on {index.device}; "
                              "put both on the batch's device")
-    elif isinstance(epoch, bool) or not isinstance(epoch, int):
+        return epoch
+    number = as_int(epoch)
+    if number is None:
         raise TypeError(f"SampleKeys epoch must be an int or a 0-d integer tensor, got {epoch!r}")
+    return number
 
 
 class SampleKeys:
@@ -285,12 +291,15 @@ class SampleKeys:
             what = f"{index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, torch.Tensor) \
                 else type(index).__name__
             raise TypeError(f"SampleKeys index must be a 1-D integer tensor (one global index per sample), got {what}")
+        plain = {}
         for name, value in (("seed", seed), ("stream", stream)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            plain[name] = as_int(value)  # numpy integers too, folded as plain ones
+            if plain[name] is None:
                 raise TypeError(f"SampleKeys {name} must be an int, got {value!r}")
-            if not 0 <= value < 1 << 64:  # folded modulo 2**64: a wider one would repeat a smaller one's draws
+            if not 0 <= plain[name] < 1 << 64:  # folded modulo 2**64: a wider one would repeat a smaller one's draws
                 raise ValueError(f"SampleKeys {name} must be in [0, 2**64), got {value}")
-        _check_epoch(epoch, index)
+        seed, stream = plain["seed"], plain["stream"]
+        epoch = _check_epoch(epoch, index)
         self.seed, self.epoch, self.stream = seed, epoch, stream
         self.path = tuple(int(p) for p in path)
         self.index = index.long()

@@ -21,6 +21,7 @@ and, through ``state_dict``/``load_state_dict``, checkpoints their position.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import queue
 import threading
@@ -326,8 +327,8 @@ class _Loader:
 
     def __init__(self, order: ShardedOrder) -> None:
         self.order = order
-        #: Iterations under way (a generator suspended mid-epoch counts until it is closed).
-        self.active = 0
+        #: Iterations running (a generator suspended mid-epoch counts until it is closed).
+        self._running = 0
         #: Those iterations, each with the tag ``iteration_tag`` gave when it started, to close
         #: one its loop left unfinished (see ``close_iterations``).
         self._live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -361,6 +362,17 @@ class _Loader:
         #: Set by the data module on a prediction loader: where each yielded batch's sample
         #: indices are recorded for Lightning's prediction writers (see ``batch_sampler``).
         self.index_record: Any = None
+
+    @property
+    def active(self) -> int:
+        """Iterations under way: those running and those handed out but not started yet.
+
+        A loop takes its iterator before the first batch (a training CombinedLoader holding the
+        val loader, before the val loop asks for its own): one not yet started is in use too,
+        and must not be closed as idle (its first ``next`` would end it at once).
+        """
+        created = sum(inspect.getgeneratorstate(it) == inspect.GEN_CREATED for it in list(self._live))
+        return self._running + created
 
     @property
     def sampler(self) -> ShardedOrder:
@@ -594,7 +606,7 @@ class IndexLoader(_Loader):
         produced = self._produce(start)
         if self.ahead:
             produced = _run_ahead(produced, self.ahead, self.device)
-        self.active += 1
+        self._running += 1
         try:
             for batch in produced:
                 self._yielded = batch.index + 1
@@ -604,7 +616,7 @@ class IndexLoader(_Loader):
                     note(batch.index)
                 yield batch
         finally:
-            self.active -= 1
+            self._running -= 1
             produced.close()
 
     def close(self) -> None:
@@ -850,11 +862,11 @@ class WorkerLoader(_Loader):
         idx = self.order.indices(epoch)
         bs = self.order.batch_size
         note = self._noting(epoch, idx)
-        self.active += 1
+        self._running += 1
         try:
             yield from self._batches(start, epoch, idx, bs, note)
         finally:
-            self.active -= 1
+            self._running -= 1
 
     def _batches(self, start: int, epoch: int, idx: torch.Tensor, bs: int,
                  note: Callable[[int], None] | None) -> Iterator[FastBatch]:

@@ -7,14 +7,24 @@ into a :class:`Plan`. Nothing here touches a device or a file.
 
 from __future__ import annotations
 
+import difflib
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 import torch
 
-from lightning_fastdata._util import cgroup_memory_limit, cpu_count, fmt_bytes, physical_cores
+from lightning_fastdata._util import (
+    as_flag,
+    as_float,
+    as_int,
+    cgroup_memory_limit,
+    cpu_count,
+    fmt_bytes,
+    physical_cores,
+)
 
 STRATEGIES = ("auto", "device", "chunked", "workers")
 #: Placement levels, most device memory first; a failed placement falls back one level.
@@ -132,7 +142,85 @@ class Plan:
 
 
 class PlanError(ValueError):
-    """A forced setting cannot work on this machine; the message gives the numbers and the fix."""
+    """A setting out of range, or a forced one that cannot work on this machine; the message
+    names the setting and gives the numbers and the fix."""
+
+
+def _auto_int(name: str, value: Any, minimum: int, words: tuple[str, ...] = ("auto",)) -> int | str:
+    if isinstance(value, str) and value in words:
+        return value
+    number = as_int(value)
+    if number is None or number < minimum:
+        allowed = ", ".join(repr(w) for w in words)
+        raise PlanError(f"{name} must be {allowed} or an int >= {minimum}, got {value!r}")
+    return number
+
+
+def auto_flag(name: str, value: Any) -> bool | str:
+    """``"auto"``, or ``value`` as a plain bool (numpy's included); a PlanError naming ``name`` otherwise."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    flag = as_flag(value)
+    if flag is None:  # a string such as "False" would read as True
+        raise PlanError(f"{name} must be 'auto', True or False, got {value!r}")
+    return flag
+
+
+def _strategy(name: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in STRATEGIES:
+        raise PlanError(f"{name} must be one of {STRATEGIES}, got {value!r}")
+    return value
+
+
+def _fraction(name: str, value: Any) -> float:
+    fraction = as_float(value)
+    if fraction is None or not 0.0 < fraction <= 1.0:  # NaN fails the comparison too
+        raise PlanError(f"{name} must be in (0, 1], got {value!r}; 0.6 keeps 40% for the model")
+    return fraction
+
+
+def _flag(name: str, value: Any) -> bool:
+    flag = as_flag(value)
+    if flag is None:
+        raise PlanError(f"{name} must be True or False, got {value!r}")
+    return flag
+
+
+def _nbytes(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    number = as_int(value)
+    if number is None or number < 0:
+        raise PlanError(f"{name} must be None or an int >= 0 (bytes), got {value!r}")
+    return number
+
+
+#: The settings :func:`decide` reads, each with its check (which returns the value as plain Python).
+CONFIG_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "strategy": _strategy,
+    "vram_fraction": _fraction,
+    "num_workers": lambda name, value: _auto_int(name, value, 0, ("auto", "measure")),
+    "pin_memory": auto_flag,
+    "prefetch_factor": lambda name, value: _auto_int(name, value, 1),
+    "persistent_workers": auto_flag,
+    "store": _flag,
+    "batch_nbytes": _nbytes,
+    "sent_batch_nbytes": _nbytes,
+}
+
+
+def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` checked, its numbers plain Python ones (numpy scalars are accepted).
+
+    Raises:
+        PlanError: naming an unknown key (with the known ones) or a value out of range.
+    """
+    unknown = [key for key in config if key not in CONFIG_CHECKS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), CONFIG_CHECKS, n=1)
+        raise PlanError(f"unknown plan setting {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + f"; the settings are {', '.join(CONFIG_CHECKS)}")
+    return {key: CONFIG_CHECKS[key](key, value) for key, value in config.items()}
 
 
 def _budget(resources: Resources, vram_fraction: float) -> tuple[int, str]:
@@ -190,18 +278,20 @@ def decide(store_nbytes: int | None, resources: Resources, config: dict[str, Any
         config: The user's settings: ``strategy``, ``vram_fraction``, ``num_workers``
             ("auto", "measure" or a value), ``pin_memory``, ``prefetch_factor``,
             ``persistent_workers`` ("auto" or a value), ``store`` (False: the user opted
-            out of the store, said in the reason), and ``batch_nbytes`` (bytes of the
+            out of the store, said in the reason), ``batch_nbytes`` (bytes of the
             largest batch; a chunk must hold one, and the workers' RAM and /dev/shm caps
-            count it).
+            count it) and ``sent_batch_nbytes`` (see :func:`loader_params`); each is
+            checked as ``OptimizedDataModule`` checks it, and any other key is refused.
 
     Raises:
-        PlanError: when a forced strategy cannot work, with the numbers and the fix.
+        PlanError: when a setting is unknown or out of range (checked first: :func:`check_config`),
+            or a forced strategy cannot work, with the numbers and the fix.
     """
+    # A public entry point: an unchecked -3 workers reached the Plan, prefetch 0 divided by zero.
+    config = check_config(config)
     strategy = config.get("strategy", "auto")
-    if strategy not in STRATEGIES:
-        raise PlanError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    fraction = float(config.get("vram_fraction", 0.6))
-    batch_nbytes = int(config.get("batch_nbytes", 0) or 0)
+    fraction = config.get("vram_fraction", 0.6)
+    batch_nbytes = config.get("batch_nbytes") or 0
     reasons: dict[str, str] = {}
     budget, why = _budget(resources, fraction)
     chunk = 0

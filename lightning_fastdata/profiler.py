@@ -55,7 +55,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_fastdata import _lightning as door
 from lightning_fastdata import distributed as D
 from lightning_fastdata import rank_reduce
-from lightning_fastdata._util import cpu_count
+from lightning_fastdata._util import as_flag, as_int, cpu_count
 from lightning_fastdata.cuda_events import EventResolver, record
 from lightning_fastdata.replay import Replay
 from lightning_fastdata.report import (  # noqa: F401 (re-exported: the profiler's public report functions)
@@ -125,26 +125,29 @@ class DataWaitProfiler(Callback):
                  trace_steps: tuple[int, int] = (5, 20)) -> None:
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        counts = {}
         for name, value, low in (("replay_steps", replay_steps, 0), ("replay_batches", replay_batches, 1),
                                  ("replay_warmup", replay_warmup, 0), ("max_pending", max_pending, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            counts[name] = as_int(value)  # numpy integers too, kept as plain ones
+            if counts[name] is None or counts[name] < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not isinstance(print_report, bool):
+        replay_steps, replay_batches, replay_warmup, max_pending = (counts[name] for name in counts)
+        if as_flag(print_report) is None:
             raise ValueError(f"print_report must be True or False, got {print_report!r}")
+        print_report = as_flag(print_report)
         if trace is not None and not isinstance(trace, (str, os.PathLike)):
             raise TypeError(f"trace must be a file path or None, got {trace!r}")
         if trace is not None:
             trace = check_path(trace)
-        if (not isinstance(trace_steps, (tuple, list)) or len(trace_steps) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) for v in trace_steps)
-                or trace_steps[0] < 0 or trace_steps[1] < 1):
+        window = tuple(as_int(v) for v in trace_steps) if isinstance(trace_steps, (tuple, list)) else ()
+        if len(window) != 2 or None in window or window[0] < 0 or window[1] < 1:
             raise ValueError(f"trace_steps must be (first, count) with first >= 0 and count >= 1, "
                              f"got {trace_steps!r}")
         self.clock = clock
         self.replay_steps, self.replay_batches, self.replay_warmup = replay_steps, replay_batches, replay_warmup
         self.max_pending = max_pending
         self.print_report = print_report
-        self.trace, self.trace_steps = trace, (int(trace_steps[0]), int(trace_steps[1]))
+        self.trace, self.trace_steps = trace, window
         self._train, self._val = Stage("train"), Stage("validate")
         self._hot = Hot()
         self._events = EventResolver(max_pending)

@@ -232,6 +232,18 @@ def test_bad_arguments_are_named(kwargs, match):
         FastDataCallback(**kwargs)
 
 
+def test_numpy_scalars_are_taken_as_plain_values(tmp_path):
+    """replay_steps=np.int64(5) and trace_steps from numpy were refused; flags may be numpy bools."""
+    cb = FastDataCallback(replay_steps=np.int64(5), replay_batches=np.int64(2), trace=tmp_path / "t.json",
+                          trace_steps=(np.int64(1), np.int64(3)), profile=np.bool_(True), log_memory=np.bool_(False))
+    prof = cb.profiler
+    assert (prof.replay_steps, prof.replay_batches, prof.trace_steps) == (5, 2, (1, 3))
+    assert type(prof.replay_steps) is int and all(type(v) is int for v in prof.trace_steps)
+    assert cb.profile is True and cb.log_memory is False
+    with pytest.raises(ValueError, match="replay_steps must be an int >= 0, got '5'"):
+        FastDataCallback(replay_steps="5")
+
+
 def test_a_trace_path_that_is_a_directory_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"trace must be a file path, got .* an existing directory"):
         FastDataCallback(trace=tmp_path)

@@ -83,10 +83,46 @@ def test_cache_key_and_loader_settings(cache_dir):
     (dict(progress=1), "progress must be True or False, got 1"),
     # Found at setup, after every cache was built, as torch's "Expected one of cpu, cuda, ...".
     (dict(device="gpu"), "device must be a torch device such as 'cpu', 'cuda' or 'cuda:1' .* got 'gpu'"),
+    # A bool is no fraction (True read as 1.0), and a string is no number even when it spells one.
+    (dict(vram_fraction=True), r"vram_fraction must be in \(0, 1\], got True"),
+    (dict(batch_size="4"), "batch_size must be an int > 0, got '4'"),
+    (dict(seed=np.float64(3.0)), r"seed must be an int in \[0, 2\*\*64\), got np.float64\(3.0\)"),
+    # Found in setup otherwise, after the caches were built, as "unhashable type: 'list'".
+    (dict(augment_field=["image"]), r"augment_field must be a field name .* got \['image'\]"),
+    (dict(augment_field=1), "augment_field must be a field name .* got 1"),
+    (dict(augment_field=""), "augment_field must be a field name such as 'image' .* got ''"),
 ])
 def test_bad_config_names_the_parameter(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         TinyDataModule(**kwargs)
+
+
+def test_numpy_scalars_work_and_are_kept_as_plain_python(cache_dir):
+    """np.arange, pandas rows and sweeps give numpy scalars: they were refused ("must be an int > 0, got
+    np.int64(64)"). They work as the plain values they equal, and hparams, repr and YAML show plain ones."""
+    plain = dict(batch_size=4, eval_batch_size=8, num_workers=0, prefetch_factor=2, seed=7, augment_ahead=1,
+                 jpeg_quality=80, max_side=64, vram_fraction=0.5, shuffle=False, drop_last=True, pin_memory=False,
+                 persistent_workers=True, keep_freed_memory=False, cuda_graphs=True, store=True)
+    numpy = {k: (np.bool_(v) if isinstance(v, bool) else np.int64(v) if isinstance(v, int) else np.float32(v))
+             for k, v in plain.items()}
+    batches = []
+    for config in (plain, numpy):
+        dm = TinyDataModule(n=12, cache_dir=str(cache_dir), device="cpu", val=False, strategy="device",
+                            train_augment=_aug(), **config)
+        for name, value in plain.items():
+            assert type(dm.hparams[name]) is type(value) and dm.hparams[name] == value, name
+            assert type(dm.hparams_initial[name]) is type(value), name
+        assert type(dm.batch_size) is int and type(dm.seed) is int and type(dm.vram_fraction) is float
+        assert type(dm.shuffle) is bool and type(dm.eval_batch_size) is int
+        dm.eval_batch_size = config["eval_batch_size"]  # set again (by hand, or by a tuner): checked the same way
+        assert type(dm.hparams["eval_batch_size"]) is int
+        dm.prepare_data()
+        dm.setup("fit")
+        batches.append([dm.on_after_batch_transfer(b, 0) for b in dm.train_dataloader()])
+        dm.teardown("fit")
+    assert len(batches[0]) == len(batches[1]) == 3  # 12 samples, batch 4, drop_last
+    for (x, y), (xn, yn) in zip(*batches, strict=True):
+        assert torch.equal(x, xn) and torch.equal(y, yn)  # the same seed, the same augmentation
 
 
 def test_empty_source_is_a_clear_error(cache_dir):
@@ -1481,6 +1517,37 @@ def test_a_val_loader_among_the_training_loaders_is_never_cut_by_the_training(tm
     assert len(model.unlab) == 8
     for got, expected in zip(model.unlab, want, strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("strategy", ["device", "chunked", "workers"])
+def test_a_val_loader_among_the_training_loaders_is_not_closed_before_its_first_batch(tmp_path, strategy):
+    """Without a sanity check, the val loop asks for its loader after the training loop took an
+    iterator of the one among its loaders, not yet started: that iterator was closed as idle,
+    so epoch 0 trained no step in min_size mode (and its validation never ran), silently."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    class MinSize(_ValAmongTrain):
+        def train_dataloader(self):
+            return CombinedLoader(super().train_dataloader(), "min_size")
+
+    class Counting(_SeesUnlabelled):
+        def __init__(self) -> None:
+            super().__init__()
+            self.epochs: list[int] = []
+            self.validated: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            self.epochs.append(self.current_epoch)
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            self.validated.append(self.current_epoch)
+
+    dm = MinSize(n=32, batch_size=8, cache_dir=str(tmp_path / "c"), device="cpu", strategy=strategy, num_workers=0,
+                 shuffle=False)
+    model = Counting()
+    trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0).fit(model, dm)
+    assert model.epochs == [0] * 4 + [1] * 4 and model.validated == [0] * 4 + [1] * 4
 
 
 def test_a_test_on_several_ranks_says_which_samples_it_counts_twice(tmp_path, monkeypatch):

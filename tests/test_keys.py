@@ -236,6 +236,16 @@ def test_bad_arguments_are_refused(make, match):
         make()
 
 
+def test_numpy_integers_key_as_the_ints_they_equal():
+    """np.int64 seeds (a sweep's, np.arange's) were refused; they draw what the plain ints draw."""
+    index = torch.arange(5)
+    k = SampleKeys(np.int64(7), np.int64(1), index, stream=np.uint64(2))
+    assert (k.seed, k.epoch, k.stream) == (7, 1, 2) and {type(k.seed), type(k.epoch), type(k.stream)} == {int}
+    assert torch.equal(k.uniform(0), SampleKeys(7, 1, index, stream=2).uniform(0))
+    with pytest.raises(TypeError, match="seed must be an int, got np.True_"):
+        SampleKeys(np.bool_(True), 0, index)
+
+
 def test_counter_caches_stay_bounded_over_many_sizes(engine):
     """One element count per image size (``normal`` over a ragged list's sizes) and one range
     per size (``integers``) no longer pile up: the caches stay within their entries and bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from _helpers import TinyDataModule
 
@@ -75,6 +76,36 @@ def test_workers_when_nothing_can_be_stored_or_a_chunk_cannot_hold_a_batch():
     tiny = decide(10 * GB, gpu(total=2 * GB, free=VRAM_MARGIN_BYTES), cfg())
     assert tiny.strategy == "workers" and "cannot hold one batch" in tiny.reasons["strategy"]
     assert tiny.num_workers == 15  # 16 physical cores, one kept for the main process
+
+
+@pytest.mark.parametrize("config, match", [
+    # Each went through unchecked: -3 workers into the Plan, a ZeroDivisionError, "cannot convert float NaN
+    # to integer", a fraction of 5, and a misspelled key silently ignored (the auto worker count used).
+    (dict(strategy="workers", num_workers=-3), "num_workers must be 'auto', 'measure' or an int >= 0, got -3"),
+    (dict(strategy="workers", num_workers=2, prefetch_factor=0),
+     "prefetch_factor must be 'auto' or an int >= 1, got 0"),
+    (dict(vram_fraction=float("nan")), r"vram_fraction must be in \(0, 1\], got nan"),
+    (dict(vram_fraction=5), r"vram_fraction must be in \(0, 1\], got 5"),
+    (dict(vram_fraction=True), r"vram_fraction must be in \(0, 1\], got True"),
+    (dict(pin_memory="False"), "pin_memory must be 'auto', True or False, got 'False'"),
+    (dict(num_workers="4"), "num_workers must be .* got '4'"),
+    (dict(batch_nbytes=-1), "batch_nbytes must be None or an int >= 0"),
+    (dict(strategy="workers", num_worker=4),
+     r"unknown plan setting 'num_worker' \(did you mean 'num_workers'\?\); the settings are strategy, "
+     r"vram_fraction, num_workers, pin_memory, prefetch_factor, persistent_workers, store, batch_nbytes"),
+])
+def test_decide_checks_its_config_and_names_the_setting(config, match):
+    with pytest.raises(PlanError, match=match):
+        decide(GB, cpu(), config)
+
+
+def test_decide_takes_numpy_scalars_as_plain_values():
+    config = dict(strategy="workers", vram_fraction=np.float32(0.5), num_workers=np.int64(1),
+                  prefetch_factor=np.int64(3), pin_memory=np.bool_(False), persistent_workers=np.bool_(True),
+                  batch_nbytes=np.int64(MiB))
+    plan = decide(GB, cpu(), config)
+    assert (plan.num_workers, plan.prefetch_factor, plan.persistent_workers) == (1, 3, True)
+    assert type(plan.num_workers) is int and type(plan.prefetch_factor) is int and type(plan.pin_memory) is bool
 
 
 def test_forced_strategies_that_cannot_work_give_numbers_and_fix():

@@ -812,6 +812,19 @@ def test_bad_trace_arguments_are_named(kwargs, match):
         DataWaitProfiler(**kwargs)
 
 
+def test_numpy_scalars_are_taken_as_plain_values():
+    import numpy as np
+
+    prof = DataWaitProfiler(replay_steps=np.int64(3), replay_batches=np.int64(2), replay_warmup=np.int64(1),
+                            max_pending=np.int64(8), print_report=np.bool_(False),
+                            trace_steps=[np.int64(0), np.int64(4)])
+    got = (prof.replay_steps, prof.replay_batches, prof.replay_warmup, prof.max_pending, prof.print_report)
+    assert got == (3, 2, 1, 8, False) and [type(v) for v in got] == [int] * 4 + [bool]
+    assert prof.trace_steps == (0, 4) and all(type(v) is int for v in prof.trace_steps)
+    with pytest.raises(ValueError, match=r"trace_steps must be .* got \(1.0, 2\)"):
+        DataWaitProfiler(trace_steps=(1.0, 2))
+
+
 def test_a_validation_inside_the_epoch_is_not_gpu_idle_of_the_next_step(tmp_path, monkeypatch):
     # The device is busy validating between two training steps: the idle before the next
     # step is measured from the validation's end, not from the last training step's event.
