@@ -17,9 +17,9 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from lightning_fastdata._util import as_flag
 from lightning_fastdata.keys import BoundedCache, SampleKeys
 
 KINDS = ("image", "mask", "other")
@@ -668,8 +668,9 @@ def _items(value: Any) -> list[Any] | None:
 def flag(value: Any, name: str) -> bool:
     """A boolean flag as a plain bool: True, False or a numpy bool; anything else is a TypeError
     naming ``name`` (``bool()`` read the string "False", from argparse or a hand-made config, as True)."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
+    plain = as_flag(value)
+    if plain is not None:
+        return plain
     raise TypeError(f"{name} must be True or False, got {value!r}; a string such as 'False' would read as True")
 
 
